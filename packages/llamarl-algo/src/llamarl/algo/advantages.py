@@ -1,0 +1,51 @@
+"""Advantage estimators.
+
+Shape legend:
+    B: sequences in the batch (num_prompts * group_size), T: tokens per sequence, G: group size,
+    P: prompts (B // G).
+
+The samples of one prompt are contiguous in the batch: sequences [0, G) answer prompt 0, and so on.
+Every critic-free estimator here has the signature `(rewards_B, group_size) -> advantages_B` (extra
+hyper-parameters keyword-only, with defaults) so that the registry can bind them by name.
+"""
+
+from __future__ import annotations
+
+import torch
+from llamarl.algo.masking import group_view
+from torch import Tensor
+
+DEFAULT_EPS = 1e-6
+
+
+def group_advantages(
+    rewards_B: Tensor, group_size: int, *, normalize_std: bool = False, eps: float = DEFAULT_EPS
+) -> Tensor:
+    """Reward minus the mean reward of its prompt's group, optionally divided by the group's std.
+
+    Args:
+        rewards_B: one scalar reward per sequence.
+        group_size: samples per prompt (contiguous).
+        normalize_std: divide by the group's standard deviation + `eps` (GRPO); False is the
+            group-mean baseline of AIPO and Dr.GRPO.
+        eps: keeps a group whose samples all got the same reward at advantage 0 instead of nan.
+
+    Returns:
+        advantages_B, float32 (float64 for float64 rewards).
+    """
+    rewards_PG = group_view(rewards_B.to(torch.promote_types(rewards_B.dtype, torch.float32)), group_size)
+    advantages_PG = rewards_PG - rewards_PG.mean(-1, keepdim=True)
+    if normalize_std:
+        # The population std (correction=0) is defined for a group of one sample as well.
+        advantages_PG = advantages_PG / (rewards_PG.std(-1, correction=0, keepdim=True) + eps)
+    return advantages_PG.reshape(-1)
+
+
+def group_mean_advantages(rewards_B: Tensor, group_size: int) -> Tensor:
+    """A_i = r_i - mean_{j in group(i)} r_j (AIPO's baseline, Dr.GRPO). [B] -> [B]."""
+    return group_advantages(rewards_B, group_size)
+
+
+def group_mean_std_advantages(rewards_B: Tensor, group_size: int, *, eps: float = DEFAULT_EPS) -> Tensor:
+    """A_i = (r_i - mean_group) / (std_group + eps) (GRPO). [B] -> [B]."""
+    return group_advantages(rewards_B, group_size, normalize_std=True, eps=eps)
