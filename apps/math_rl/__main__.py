@@ -1,0 +1,11 @@
+"""`uv run apps/math_rl --help`: RL on MATH with llamarl (see README.md)."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the apps' shared command line
+
+from rl_app import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main("math"))

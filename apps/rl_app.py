@@ -1,0 +1,160 @@
+"""The command line shared by the RL apps (`uv run apps/gsm8k_rl`, `uv run apps/math_rl`).
+
+Parses flags into a `RunConfig`, resolves the model and data, launches the run and prints its summary.
+Every user error (a bad flag, a missing model or data file, a malformed row) ends in one line that
+says what to fix; a failure inside a rank prints that rank's original error once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from llamarl.algo import ADVANTAGE_NAMES, POLICY_LOSS_NAMES
+from llamarl.control import ConfigError, DataError, RunConfig, RunFailed, TASKS, launch, load_examples
+
+CUDA_DEFAULT_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
+
+
+class UsageError(Exception):
+    """A problem with the command line or its inputs, reported in one line."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line instead of usage + error
+        raise UsageError(f"{message} (see --help)")
+
+
+def build_parser(task: str) -> argparse.ArgumentParser:
+    defaults = RunConfig(task=task, model="", output_dir="")
+    p = _Parser(prog=f"{task}_rl", description=f"Asynchronous RL on {task.upper()} with llamarl.")
+    p.add_argument("--model", help="hub id or local folder (default: SmolLM2-135M-Instruct on the CPU, "
+                   f"{CUDA_DEFAULT_MODEL} on CUDA)")
+    p.add_argument("--data", help=f"folder with train.jsonl and test.jsonl, or a hub dataset id "
+                   f"(default: {TASKS[task].hub_id})")
+    p.add_argument("--output-dir", default=f"runs/{task}_rl", help="where summary.json, metrics, samples go")
+    p.add_argument("--mode", choices=["async", "sync"], default=defaults.mode)
+    p.add_argument("--steps", type=int, default=defaults.steps, help="optimizer steps")
+    p.add_argument("--prompts-per-step", type=int, default=defaults.prompts_per_step)
+    p.add_argument("--samples-per-prompt", type=int, default=defaults.samples_per_prompt)
+    p.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
+    p.add_argument("--temperature", type=float, default=defaults.temperature)
+    p.add_argument("--eval-size", type=int, default=defaults.eval_size, help="held-out questions (0: skip)")
+    p.add_argument("--seed", type=int, default=defaults.seed)
+    p.add_argument("--loss", choices=sorted(POLICY_LOSS_NAMES), default=defaults.loss)
+    p.add_argument("--advantage", choices=sorted(ADVANTAGE_NAMES), default=defaults.advantage)
+    p.add_argument("--loss-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="a hyperparameter of the loss, e.g. rho=4 (repeatable)")
+    p.add_argument("--lr", type=float, default=defaults.lr)
+    p.add_argument("--micro-batch-size", type=int, default=defaults.micro_batch_size)
+    p.add_argument("--max-grad-norm", type=float, default=defaults.max_grad_norm)
+    p.add_argument("--num-generators", type=int, default=defaults.num_generators, help="generator ranks")
+    p.add_argument("--nnodes", type=int, default=defaults.nnodes, help="machines (run the same command on each)")
+    p.add_argument("--rdzv-endpoint", help="host:port of the first machine, for --nnodes > 1")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default=defaults.device)
+    p.add_argument("--threads-per-rank", type=int, help="CPU threads per rank")
+    p.add_argument("--timeout", type=float, default=defaults.timeout_s, help="deadline (s) of any wait on a peer")
+    p.add_argument("--wandb-project", default=defaults.wandb_project)
+    p.add_argument("--no-wandb", action="store_true", help="do not log to Weights & Biases")
+    p.add_argument("--no-save-model", action="store_true", help="do not write OUTPUT_DIR/final_model")
+    return p
+
+
+def config_from_args(task: str, args: argparse.Namespace, model: str) -> RunConfig:
+    return RunConfig(
+        task=task,
+        model=model,
+        output_dir=args.output_dir,
+        mode=args.mode,
+        steps=args.steps,
+        prompts_per_step=args.prompts_per_step,
+        samples_per_prompt=args.samples_per_prompt,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        eval_size=args.eval_size,
+        seed=args.seed,
+        loss=args.loss,
+        advantage=args.advantage,
+        loss_hparams=_loss_hparams(args.loss_arg),
+        lr=args.lr,
+        micro_batch_size=args.micro_batch_size,
+        max_grad_norm=args.max_grad_norm,
+        num_generators=args.num_generators,
+        nnodes=args.nnodes,
+        rdzv_endpoint=args.rdzv_endpoint,
+        device=args.device,
+        threads_per_rank=args.threads_per_rank,
+        timeout_s=args.timeout,
+        wandb_project=args.wandb_project,
+        wandb=not args.no_wandb,
+        save_model=not args.no_save_model,
+    )
+
+
+def _loss_hparams(pairs: list[str]) -> dict[str, float]:
+    hparams = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        try:
+            hparams[key.strip().replace("-", "_")] = float(value)
+        except ValueError:
+            sep = ""
+        if not sep or not key.strip():
+            raise UsageError(f"--loss-arg expects KEY=NUMBER, got {pair!r}")
+    return hparams
+
+
+def resolve_model(model: str | None, device: str) -> str:
+    """The model to train: the flag, else the default for the device; checked before any rank starts."""
+    import torch
+
+    if model is None:
+        if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
+            model = CUDA_DEFAULT_MODEL
+        else:
+            from llamarl.exec.models import smollm2_path
+
+            return str(smollm2_path())
+    path = Path(model).expanduser()
+    if path.exists() or model.startswith((".", "/", "~")):
+        if not (path / "config.json").is_file():
+            raise UsageError(f"--model {model}: no transformers model folder there (config.json not found)")
+        return str(path.resolve())
+    try:
+        from transformers import AutoConfig
+
+        AutoConfig.from_pretrained(model)
+    except Exception as e:
+        raise UsageError(f"--model {model}: cannot load it from the hub or its cache ({type(e).__name__})") from None
+    return model
+
+
+def main(task: str, argv: list[str] | None = None) -> int:
+    prog = f"{task}_rl"
+    try:
+        args = build_parser(task).parse_args(argv)
+        model = resolve_model(args.model, args.device)
+        config = config_from_args(task, args, model)
+        config.validate()
+        train = load_examples(TASKS[task], args.data, "train")
+        test = load_examples(TASKS[task], args.data, "test") if config.eval_size else []
+        if config.eval_size > len(test):
+            raise UsageError(f"--eval-size {config.eval_size} is larger than the test split ({len(test)} rows)")
+        summary = launch(config, train, test)
+    except (UsageError, ConfigError, DataError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    except RunFailed as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    shown = {k: summary[k] for k in ("mode", "steps", "wall_s", "step_time_s", "gen_tokens_per_s",
+                                     "weight_sync_s", "eval_accuracy_start", "eval_accuracy_end",
+                                     "final_policy_version", "peak_rss_mb_total")}
+    print(json.dumps(shown, indent=2))
+    print(f"summary: {Path(config.output_dir) / 'summary.json'}")
+    return 0

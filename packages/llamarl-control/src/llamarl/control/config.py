@@ -1,0 +1,95 @@
+"""Run configuration: one dataclass for the whole job, validated before any process starts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message says which setting to change."""
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """Everything one RL run needs. Apps build it from the command line; tests build it directly."""
+
+    # What to learn.
+    task: str  # "gsm8k" or "math": dataset schema, prompt instruction and reward function
+    model: str  # hub id or local folder of a transformers causal LM (the starting policy)
+    output_dir: str  # summary.json, metrics.jsonl, samples, W&B run, logs, final model
+
+    # The schedule.
+    mode: Literal["async", "sync"] = "async"  # async: generate and train at once; sync: in sequence
+    steps: int = 4  # optimizer steps (each one policy_version)
+    prompts_per_step: int = 4  # prompts per training batch, split evenly across generators
+    samples_per_prompt: int = 4  # completions per prompt (the group of the group-mean baseline)
+    max_new_tokens: int = 128  # completion length limit while training and evaluating
+    temperature: float = 1.0  # sampling temperature; the trainer scores tokens at the same temperature
+    eval_size: int = 16  # held-out test questions scored greedily before and after training (0: none)
+    seed: int = 0  # prompt order, sampling and model initialisation
+    max_policy_lag: int = 1  # the trainer refuses rollouts older than this many policy versions
+
+    # The algorithm (names resolved by llamarl.algo's registry).
+    loss: str = "aipo"  # policy loss
+    advantage: str = "group_mean"  # advantage estimator
+    loss_hparams: dict[str, float] = field(default_factory=dict)  # e.g. {"rho": 4.0}
+    lr: float = 3e-6  # AdamW learning rate
+    weight_decay: float = 0.0  # AdamW weight decay
+    micro_batch_size: int = 4  # sequences per forward/backward pass on the trainer
+    max_grad_norm: float = 1.0  # gradient clipping threshold
+
+    # Ranks and devices.
+    num_generators: int = 1  # generator ranks (data-parallel replicas); the trainer is rank 0
+    nnodes: int = 1  # machines; ranks are spread evenly over them by torch elastic
+    rdzv_endpoint: str | None = None  # host:port of the rendezvous for nnodes > 1
+    device: str = "auto"  # "auto" (CUDA when present), "cpu" or "cuda"
+    threads_per_rank: int | None = None  # CPU threads per rank; default splits the cores across ranks
+    weight_bucket_mb: int = 64  # bucket size of the trainer -> generator weight transfer
+    timeout_s: float = 600.0  # deadline for any wait on another process
+
+    # Outputs.
+    wandb_project: str = "llamarl"  # W&B project; offline unless WANDB_API_KEY is set
+    wandb: bool = True  # log to W&B at all
+    save_model: bool = True  # write the final policy to OUTPUT_DIR/final_model
+    reward_timeout_s: float = 10.0  # per-sample deadline of the answer checker
+
+    @property
+    def world_size(self) -> int:
+        return 1 + self.num_generators
+
+    def validate(self) -> None:
+        """Raises ConfigError with the setting to fix."""
+        positive = {
+            "steps": self.steps,
+            "prompts_per_step": self.prompts_per_step,
+            "samples_per_prompt": self.samples_per_prompt,
+            "max_new_tokens": self.max_new_tokens,
+            "micro_batch_size": self.micro_batch_size,
+            "num_generators": self.num_generators,
+            "nnodes": self.nnodes,
+            "max_policy_lag": self.max_policy_lag,
+            "weight_bucket_mb": self.weight_bucket_mb,
+        }
+        for name, value in positive.items():
+            if value < 1:
+                raise ConfigError(f"{name} must be at least 1, got {value}")
+        if self.mode not in ("async", "sync"):
+            raise ConfigError(f"mode must be 'async' or 'sync', got {self.mode!r}")
+        if self.temperature <= 0:
+            raise ConfigError(f"temperature must be positive, got {self.temperature}")
+        if self.eval_size < 0:
+            raise ConfigError(f"eval_size must be 0 or more, got {self.eval_size}")
+        if self.lr <= 0 or self.timeout_s <= 0 or self.reward_timeout_s <= 0:
+            raise ConfigError("lr, timeout_s and reward_timeout_s must be positive")
+        if self.prompts_per_step % self.num_generators:
+            raise ConfigError(
+                f"prompts_per_step ({self.prompts_per_step}) must be a multiple of num_generators "
+                f"({self.num_generators})"
+            )
+        if self.world_size % self.nnodes:
+            raise ConfigError(f"{self.world_size} ranks cannot be spread evenly over {self.nnodes} nodes")
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ConfigError("several nodes need a rendezvous endpoint (host:port of the first node)")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"device must be auto, cpu or cuda, got {self.device!r}")

@@ -1,0 +1,136 @@
+"""Starts the ranks of a run through torch elastic (what `torchrun` uses) and reports failures once.
+
+Every rank runs `llamarl.control.controller.Controller`. When any rank raises or dies, torch elastic
+stops the others; the launcher then shows the first rank's original error (its traceback, written by
+the rank itself to OUTPUT_DIR/errors/) once, and raises `RunFailed`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+import traceback
+import uuid
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from llamarl.control.config import RunConfig
+from llamarl.control.controller import Controller
+from llamarl.control.tasks import Example
+
+ERRORS_DIR = "errors"
+
+
+class RunFailed(RuntimeError):
+    """A rank failed; `str()` is the original error, `rank` the rank that raised it first."""
+
+    def __init__(self, message: str, *, rank: int | None) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+def launch(config: RunConfig, train_examples: list[Example], eval_examples: list[Example]) -> dict[str, Any]:
+    """Runs the job on `config.world_size` ranks and returns the trainer's summary."""
+    config.validate()
+    output_dir = Path(config.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    errors_dir = output_dir / ERRORS_DIR
+    shutil.rmtree(errors_dir, ignore_errors=True)
+    errors_dir.mkdir()
+    endpoint = config.rdzv_endpoint or f"127.0.0.1:{_free_port()}"
+    launch_config = LaunchConfig(
+        min_nodes=config.nnodes,
+        max_nodes=config.nnodes,
+        nproc_per_node=config.world_size // config.nnodes,
+        run_id=f"llamarl-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=endpoint,
+        rdzv_configs={"join_timeout": config.timeout_s},
+        max_restarts=0,  # a failed RL run stops; resuming is a new launch
+        monitor_interval=0.2,
+        start_method="spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=str(output_dir / "logs")),
+    )
+    # torch elastic logs every child failure at ERROR with its traceback; we show it once ourselves.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    try:
+        results = elastic_launch(launch_config, _rank_main)(config, train_examples, eval_examples, str(errors_dir))
+    except ChildFailedError as e:
+        raise _first_failure(errors_dir, e) from None
+    return results[0]
+
+
+def _rank_main(
+    config: RunConfig, train_examples: list[Example], eval_examples: list[Example], errors_dir: str
+) -> dict[str, Any] | None:
+    """The body of every rank. On error it records its traceback and exits non-zero without printing."""
+    controller = None
+    try:
+        threads = config.threads_per_rank or _default_threads(config)
+        torch.set_num_threads(threads)
+        dist.init_process_group("gloo", timeout=timedelta(seconds=config.timeout_s))
+        controller = Controller(config, train_examples, eval_examples)
+        controller.setup()
+        summary = controller.run()
+        controller.close()
+        dist.destroy_process_group()
+        return summary
+    except BaseException as e:
+        rank = int(os.environ.get("RANK", -1))
+        record = {"rank": rank, "time": time.time(), "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+        Path(errors_dir, f"rank{rank}.json").write_text(json.dumps(record))
+        if controller is not None:
+            try:  # free worker processes and sockets; the process exits right after either way
+                controller.close()
+            except Exception:
+                pass
+        os._exit(1)  # no traceback on stderr: the launcher prints the first failure once
+
+
+def _default_threads(config: RunConfig) -> int:
+    cores = os.cpu_count() or 1
+    if config.mode == "sync":
+        return cores  # ranks take turns, so each may use every core
+    per_node = config.world_size // config.nnodes
+    return max(1, cores // per_node)
+
+
+def _first_failure(errors_dir: Path, error: ChildFailedError) -> RunFailed:
+    """The failure that started it: a rank killed by a signal, else the earliest recorded error.
+
+    Later errors are usually peers noticing the first one (a closed connection), so they are not shown.
+    """
+    records = {}
+    for path in errors_dir.glob("rank*.json"):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        records[record["rank"]] = record
+    # A rank that died without raising (killed, out of memory, segfault) recorded nothing.
+    for rank, failure in sorted(error.failures.items()):
+        if rank not in records and failure.exitcode < 0 and failure.signal_name() != "SIGTERM":
+            return RunFailed(f"rank {rank} died ({failure.signal_name()})", rank=rank)
+    if records:
+        first = min(records.values(), key=lambda r: r["time"])
+        return RunFailed(f"rank {first['rank']} failed:\n{first['traceback'].rstrip()}", rank=first["rank"])
+    rank, failure = error.get_first_failure()
+    return RunFailed(f"rank {rank} exited with code {failure.exitcode}", rank=rank)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,146 @@
+"""Math tasks: load question/answer rows from local JSONL files or the hub, and turn them into prompts.
+
+A `Task` knows its dataset schema (which field is the question, how to read the reference answer), the
+instruction appended to each question, and the name of the reward function the rewarder runs. Rows are
+validated when loaded, so a malformed file fails before any process is started.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class DataError(ValueError):
+    """A dataset that cannot be used as given; the message says what to fix."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Example:
+    """One problem: the question shown to the model and the reference its answer is checked against."""
+
+    question: str
+    reference: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Task:
+    """A dataset schema plus the prompt and reward conventions of one math benchmark."""
+
+    name: str  # short name, also the reward function's name in llamarl.exec
+    hub_id: str  # default dataset on the hub
+    hub_config: str | None  # dataset config name on the hub, if any
+    question_field: str  # field holding the problem statement
+    reference_fields: tuple[str, ...]  # fields tried in order for the reference answer
+    instruction: str  # appended to each question: tells the model how to format its final answer
+
+    def example_from_row(self, row: dict, *, where: str) -> Example:
+        """Validates one dataset row and returns it as an Example; `where` names the row in errors."""
+        if not isinstance(row, dict):
+            raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
+        question = row.get(self.question_field)
+        if not isinstance(question, str) or not question.strip():
+            raise DataError(f"{where}: missing or empty field '{self.question_field}'")
+        for field in self.reference_fields:
+            value = row.get(field)
+            if isinstance(value, str) and value.strip():
+                reference = self._reference_from(field, value)
+                if reference:
+                    return Example(question=question.strip(), reference=reference)
+        raise DataError(
+            f"{where}: no reference answer (expected one of the fields {', '.join(self.reference_fields)})"
+        )
+
+    def _reference_from(self, field: str, value: str) -> str | None:
+        if field == "solution":  # MATH rows without an `answer` column: the last \boxed{} of the solution
+            return last_boxed(value)
+        if self.name == "gsm8k" and "####" not in value:
+            return None
+        return value.strip()
+
+    def messages(self, example: Example) -> list[dict[str, str]]:
+        """The chat messages of one prompt."""
+        return [{"role": "user", "content": f"{example.question}\n\n{self.instruction}"}]
+
+
+GSM8K = Task(
+    name="gsm8k",
+    hub_id="openai/gsm8k",
+    hub_config="main",
+    question_field="question",
+    reference_fields=("answer",),
+    instruction="Solve the problem step by step, then give the final number on its own line as '#### <number>'.",
+)
+
+MATH = Task(
+    name="math",
+    hub_id="DigitalLearningGmbH/MATH-lighteval",
+    hub_config=None,
+    question_field="problem",
+    reference_fields=("answer", "solution"),
+    instruction="Solve the problem step by step, then put the final answer in \\boxed{}.",
+)
+
+TASKS = {task.name: task for task in (GSM8K, MATH)}
+
+
+def last_boxed(text: str) -> str | None:
+    """The content of the last \\boxed{...} (or \\fbox{...}) in `text`, braces balanced, or None."""
+    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
+    if start < 0:
+        return None
+    i = text.index("{", start) + 1
+    depth = 1
+    for j in range(i, len(text)):
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[i:j].strip() or None
+    return None
+
+
+def load_examples(task: Task, data: str | None, split: str) -> list[Example]:
+    """Loads and validates one split.
+
+    `data` is a local folder holding `train.jsonl` / `test.jsonl` in the hub schema, a hub dataset id,
+    or None for the task's default hub dataset.
+    """
+    if data is not None and (Path(data).exists() or data.startswith((".", "/", "~"))):
+        return _load_jsonl(task, Path(data).expanduser() / f"{split}.jsonl")
+    return _load_hub(task, data or task.hub_id, split)
+
+
+def _load_jsonl(task: Task, path: Path) -> list[Example]:
+    if not path.is_file():
+        raise DataError(f"{path}: file not found (--data must be a folder with train.jsonl and test.jsonl)")
+    examples = []
+    with path.open(encoding="utf-8") as f:
+        for line_number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{line_number}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{where}: not valid JSON ({e.msg})") from None
+            examples.append(task.example_from_row(row, where=where))
+    if not examples:
+        raise DataError(f"{path}: no rows")
+    return examples
+
+
+def _load_hub(task: Task, dataset_id: str, split: str) -> list[Example]:
+    import datasets  # imported here: local runs never pay for it
+
+    config = task.hub_config if dataset_id == task.hub_id else None
+    try:
+        rows = datasets.load_dataset(dataset_id, config, split=split)
+    except Exception as e:  # the hub raises many types; the user needs the id and the reason
+        raise DataError(f"could not load dataset '{dataset_id}' split '{split}': {e}") from None
+    return [task.example_from_row(dict(row), where=f"{dataset_id}[{split}][{i}]") for i, row in enumerate(rows)]
+
+

@@ -1,0 +1,59 @@
+"""Dataset loading and validation for the math tasks, on the shared local copies and on broken files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from llamarl.control.tasks import GSM8K, MATH, DataError, last_boxed, load_examples
+
+SHARED_DATA = Path(__file__).resolve().parents[3].parent / "shared" / "data"
+
+
+def test_loads_local_gsm8k_with_references():
+    examples = load_examples(GSM8K, str(SHARED_DATA / "gsm8k"), "test")
+    assert len(examples) == 1319
+    assert all("####" in e.reference for e in examples)
+    assert examples[0].question.startswith("Janet")
+
+
+def test_loads_local_math_answer_column():
+    examples = load_examples(MATH, str(SHARED_DATA / "math"), "test")
+    assert len(examples) == 5000
+    assert all(e.reference for e in examples)
+
+
+def test_math_falls_back_to_last_boxed_of_solution(tmp_path):
+    row = {"problem": "1+1?", "solution": "We get $\\boxed{\\frac{1}{2}}$ then \\boxed{2}."}
+    (tmp_path / "train.jsonl").write_text(json.dumps(row) + "\n")
+    [example] = load_examples(MATH, str(tmp_path), "train")
+    assert example.reference == "2"
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("{not json", "train.jsonl:2: not valid JSON"),
+        ('{"answer": "#### 3"}', "train.jsonl:2: missing or empty field 'question'"),
+        ('{"question": "q", "answer": "no final marker"}', "train.jsonl:2: no reference answer"),
+        ("[1, 2]", "train.jsonl:2: expected a JSON object"),
+    ],
+)
+def test_malformed_rows_name_file_line_and_problem(tmp_path, line, message):
+    good = json.dumps({"question": "q", "answer": "x #### 1"})
+    (tmp_path / "train.jsonl").write_text(good + "\n" + line + "\n")
+    with pytest.raises(DataError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        load_examples(GSM8K, str(tmp_path), "train")
+
+
+def test_missing_file_says_what_is_expected(tmp_path):
+    with pytest.raises(DataError, match="train.jsonl and test.jsonl"):
+        load_examples(GSM8K, str(tmp_path), "train")
+
+
+def test_last_boxed_balances_braces():
+    assert last_boxed("x \\boxed{\\frac{a}{b}} y") == "\\frac{a}{b}"
+    assert last_boxed("no box") is None
+    assert last_boxed("\\boxed{unclosed") is None

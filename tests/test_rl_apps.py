@@ -1,0 +1,128 @@
+"""End to end: the apps' command line, run for real on several processes with a tiny model.
+
+The integration runs with SmolLM2-135M-Instruct are in test_smollm2_runs.py; these use a 2-layer model
+with the real tokenizer so both modes and the failure paths stay fast.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_app(app: str, *args: str, env: dict[str, str] | None = None, timeout: float = 280) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", **(env or {})}
+    return subprocess.run(
+        [sys.executable, str(REPO / "apps" / app), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full_env,
+        cwd=REPO,
+    )
+
+
+def common_args(model: Path, data: Path, out: Path) -> list[str]:
+    return [
+        "--model", str(model), "--data", str(data), "--output-dir", str(out),
+        "--steps", "3", "--prompts-per-step", "2", "--samples-per-prompt", "2",
+        "--max-new-tokens", "8", "--eval-size", "2", "--no-save-model",
+    ]  # fmt: skip
+
+
+def read_samples(out: Path) -> list[dict]:
+    rows = []
+    for path in sorted(out.glob("samples.rank*.jsonl")):
+        rows += [json.loads(line) for line in path.read_text().splitlines()]
+    return rows
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_gsm8k_app_trains_in_both_modes(tiny_model_dir, gsm8k_dir, tmp_path, mode):
+    out = tmp_path / mode
+    result = run_app("gsm8k_rl", *common_args(tiny_model_dir, gsm8k_dir, out), "--mode", mode)
+    assert result.returncode == 0, result.stderr[-4000:]
+    summary = json.loads((out / "summary.json").read_text())
+    for key in ("mode", "steps", "wall_s", "step_time_s", "gen_tokens_per_s", "weight_sync_s",
+                "eval_accuracy_start", "eval_accuracy_end", "final_policy_version"):  # fmt: skip
+        assert key in summary, key
+    assert summary["mode"] == mode
+    assert summary["steps"] == 3
+    assert summary["final_policy_version"] == 3
+    assert summary["gen_tokens_per_s"] > 0 and summary["weight_sync_s"] > 0
+    assert 0.0 <= summary["eval_accuracy_end"] <= 1.0
+    # The generator's samples carry the policy_version that produced them, and it advances:
+    # async trains on rollouts one version old (0, 0, 1), sync on the current ones (0, 1, 2).
+    versions = sorted({(r["tick"], r["policy_version"]) for r in read_samples(out)})
+    assert versions == ([(0, 0), (1, 0), (2, 1)] if mode == "async" else [(0, 0), (1, 1), (2, 2)])
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["policy/lag"] for m in metrics] == ([0.0, 1.0, 1.0] if mode == "async" else [0.0, 0.0, 0.0])
+    assert list(out.glob("wandb/offline-run-*")), "no offline W&B run written"
+
+
+@pytest.mark.timeout(300)
+def test_math_app_runs_with_two_generators(tiny_model_dir, math_dir, tmp_path):
+    out = tmp_path / "math"
+    result = run_app("math_rl", *common_args(tiny_model_dir, math_dir, out), "--num-generators", "2", "--no-wandb")
+    assert result.returncode == 0, result.stderr[-4000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["num_generators"] == 2 and summary["final_policy_version"] == 3
+    assert {p.name for p in out.glob("samples.rank*.jsonl")} == {"samples.rank1.jsonl", "samples.rank2.jsonl"}
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("fault", ["1:1", "0:2", "1:1:kill"])
+def test_a_failing_rank_ends_the_run_with_its_error_once(tiny_model_dir, gsm8k_dir, tmp_path, fault):
+    start = time.monotonic()
+    result = run_app(
+        "gsm8k_rl", *common_args(tiny_model_dir, gsm8k_dir, tmp_path / "out"), "--no-wandb",
+        env={"LLAMARL_FAULT": fault},
+    )  # fmt: skip
+    elapsed = time.monotonic() - start
+    assert result.returncode == 1, result.stderr[-4000:]
+    assert elapsed < 120
+    rank = fault.split(":")[0]
+    if fault.endswith("kill"):
+        assert f"rank {rank} died (SIGKILL)" in result.stderr
+    else:
+        assert result.stderr.count("injected failure") == 1, result.stderr
+        assert f"rank {rank} failed" in result.stderr
+        assert "Traceback" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--steps", "zero"], "argument --steps: invalid int value"),
+        (["--steps", "0"], "steps must be at least 1"),
+        (["--mode", "fast"], "argument --mode: invalid choice"),
+        (["--prompts-per-step", "3", "--num-generators", "2"], "must be a multiple of num_generators"),
+        (["--loss-arg", "rho"], "--loss-arg expects KEY=NUMBER"),
+    ],
+)
+def test_bad_flags_end_in_one_line(tiny_model_dir, gsm8k_dir, tmp_path, args, message):
+    result = run_app("gsm8k_rl", "--model", str(tiny_model_dir), "--data", str(gsm8k_dir), *args, timeout=120)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], result.stderr
+
+
+def test_missing_model_and_bad_data_end_in_one_line(tiny_model_dir, tmp_path):
+    result = run_app("gsm8k_rl", "--model", str(tmp_path / "nope"), timeout=120)
+    assert result.returncode == 2 and "config.json not found" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    (tmp_path / "train.jsonl").write_text('{"question": "q"}\n')
+    result = run_app("gsm8k_rl", "--model", str(tiny_model_dir), "--data", str(tmp_path), timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        f"gsm8k_rl: error: {tmp_path}/train.jsonl:1: no reference answer (expected one of the fields answer)"
+    )
