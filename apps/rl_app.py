@@ -12,8 +12,8 @@ import json
 import sys
 from pathlib import Path
 
-from llamarl.algo import ADVANTAGE_NAMES, POLICY_LOSS_NAMES
-from llamarl.control import ConfigError, DataError, RunConfig, RunFailed, TASKS, launch, load_examples
+from llamarl.algo import ADVANTAGE_NAMES, POLICY_LOSS_NAMES, get_advantage_estimator, get_policy_loss
+from llamarl.control import TASKS, ConfigError, DataError, RunConfig, RunFailed, launch, load_examples
 
 CUDA_DEFAULT_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
 
@@ -30,10 +30,15 @@ class _Parser(argparse.ArgumentParser):
 def build_parser(task: str) -> argparse.ArgumentParser:
     defaults = RunConfig(task=task, model="", output_dir="")
     p = _Parser(prog=f"{task}_rl", description=f"Asynchronous RL on {task.upper()} with llamarl.")
-    p.add_argument("--model", help="hub id or local folder (default: SmolLM2-135M-Instruct on the CPU, "
-                   f"{CUDA_DEFAULT_MODEL} on CUDA)")
-    p.add_argument("--data", help=f"folder with train.jsonl and test.jsonl, or a hub dataset id "
-                   f"(default: {TASKS[task].hub_id})")
+    p.add_argument(
+        "--model",
+        help="hub id or local folder (default: SmolLM2-135M-Instruct on the CPU, "
+        f"{CUDA_DEFAULT_MODEL} on CUDA)",
+    )
+    p.add_argument(
+        "--data",
+        help=f"folder with train.jsonl and test.jsonl, or a hub dataset id (default: {TASKS[task].hub_id})",
+    )
     p.add_argument("--output-dir", default=f"runs/{task}_rl", help="where summary.json, metrics, samples go")
     p.add_argument("--mode", choices=["async", "sync"], default=defaults.mode)
     p.add_argument("--steps", type=int, default=defaults.steps, help="optimizer steps")
@@ -45,17 +50,26 @@ def build_parser(task: str) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=defaults.seed)
     p.add_argument("--loss", choices=sorted(POLICY_LOSS_NAMES), default=defaults.loss)
     p.add_argument("--advantage", choices=sorted(ADVANTAGE_NAMES), default=defaults.advantage)
-    p.add_argument("--loss-arg", action="append", default=[], metavar="KEY=VALUE",
-                   help="a hyperparameter of the loss, e.g. rho=4 (repeatable)")
+    p.add_argument(
+        "--loss-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a hyperparameter of the loss, e.g. rho=4 (repeatable)",
+    )
     p.add_argument("--lr", type=float, default=defaults.lr)
     p.add_argument("--micro-batch-size", type=int, default=defaults.micro_batch_size)
     p.add_argument("--max-grad-norm", type=float, default=defaults.max_grad_norm)
     p.add_argument("--num-generators", type=int, default=defaults.num_generators, help="generator ranks")
-    p.add_argument("--nnodes", type=int, default=defaults.nnodes, help="machines (run the same command on each)")
+    p.add_argument(
+        "--nnodes", type=int, default=defaults.nnodes, help="machines (run the same command on each)"
+    )
     p.add_argument("--rdzv-endpoint", help="host:port of the first machine, for --nnodes > 1")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default=defaults.device)
     p.add_argument("--threads-per-rank", type=int, help="CPU threads per rank")
-    p.add_argument("--timeout", type=float, default=defaults.timeout_s, help="deadline (s) of any wait on a peer")
+    p.add_argument(
+        "--timeout", type=float, default=defaults.timeout_s, help="deadline (s) of any wait on a peer"
+    )
     p.add_argument("--wandb-project", default=defaults.wandb_project)
     p.add_argument("--no-wandb", action="store_true", help="do not log to Weights & Biases")
     p.add_argument("--no-save-model", action="store_true", help="do not write OUTPUT_DIR/final_model")
@@ -106,6 +120,15 @@ def _loss_hparams(pairs: list[str]) -> dict[str, float]:
     return hparams
 
 
+def _check_algorithm(config: RunConfig) -> None:
+    """Binds the loss and advantage by name once here, so a bad hyperparameter fails before launch."""
+    try:
+        get_policy_loss(config.loss, **config.loss_hparams)
+        get_advantage_estimator(config.advantage)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
 def resolve_model(model: str | None, device: str) -> str:
     """The model to train: the flag, else the default for the device; checked before any rank starts."""
     import torch
@@ -127,7 +150,9 @@ def resolve_model(model: str | None, device: str) -> str:
 
         AutoConfig.from_pretrained(model)
     except Exception as e:
-        raise UsageError(f"--model {model}: cannot load it from the hub or its cache ({type(e).__name__})") from None
+        raise UsageError(
+            f"--model {model}: cannot load it from the hub or its cache ({type(e).__name__})"
+        ) from None
     return model
 
 
@@ -138,10 +163,13 @@ def main(task: str, argv: list[str] | None = None) -> int:
         model = resolve_model(args.model, args.device)
         config = config_from_args(task, args, model)
         config.validate()
+        _check_algorithm(config)
         train = load_examples(TASKS[task], args.data, "train")
         test = load_examples(TASKS[task], args.data, "test") if config.eval_size else []
         if config.eval_size > len(test):
-            raise UsageError(f"--eval-size {config.eval_size} is larger than the test split ({len(test)} rows)")
+            raise UsageError(
+                f"--eval-size {config.eval_size} is larger than the test split ({len(test)} rows)"
+            )
         summary = launch(config, train, test)
     except (UsageError, ConfigError, DataError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
@@ -152,9 +180,21 @@ def main(task: str, argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
-    shown = {k: summary[k] for k in ("mode", "steps", "wall_s", "step_time_s", "gen_tokens_per_s",
-                                     "weight_sync_s", "eval_accuracy_start", "eval_accuracy_end",
-                                     "final_policy_version", "peak_rss_mb_total")}
+    shown = {
+        k: summary[k]
+        for k in (
+            "mode",
+            "steps",
+            "wall_s",
+            "step_time_s",
+            "gen_tokens_per_s",
+            "weight_sync_s",
+            "eval_accuracy_start",
+            "eval_accuracy_end",
+            "final_policy_version",
+            "peak_rss_mb_total",
+        )
+    }
     print(json.dumps(shown, indent=2))
     print(f"summary: {Path(config.output_dir) / 'summary.json'}")
     return 0

@@ -18,7 +18,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_app(app: str, *args: str, env: dict[str, str] | None = None, timeout: float = 280) -> subprocess.CompletedProcess:
+def run_app(
+    app: str, *args: str, env: dict[str, str] | None = None, timeout: float = 280
+) -> subprocess.CompletedProcess:
     full_env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", **(env or {})}
     return subprocess.run(
         [sys.executable, str(REPO / "apps" / app), *args],
@@ -72,7 +74,9 @@ def test_gsm8k_app_trains_in_both_modes(tiny_model_dir, gsm8k_dir, tmp_path, mod
 @pytest.mark.timeout(300)
 def test_math_app_runs_with_two_generators(tiny_model_dir, math_dir, tmp_path):
     out = tmp_path / "math"
-    result = run_app("math_rl", *common_args(tiny_model_dir, math_dir, out), "--num-generators", "2", "--no-wandb")
+    result = run_app(
+        "math_rl", *common_args(tiny_model_dir, math_dir, out), "--num-generators", "2", "--no-wandb"
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["num_generators"] == 2 and summary["final_policy_version"] == 3

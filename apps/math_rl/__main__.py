@@ -5,7 +5,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the apps' shared command line
 
-from rl_app import main  # noqa: E402
+from rl_app import main
 
 if __name__ == "__main__":
     sys.exit(main("math"))

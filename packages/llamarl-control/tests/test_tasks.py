@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -44,12 +45,12 @@ def test_math_falls_back_to_last_boxed_of_solution(tmp_path):
 def test_malformed_rows_name_file_line_and_problem(tmp_path, line, message):
     good = json.dumps({"question": "q", "answer": "x #### 1"})
     (tmp_path / "train.jsonl").write_text(good + "\n" + line + "\n")
-    with pytest.raises(DataError, match=message.replace("(", r"\(").replace("[", r"\[")):
+    with pytest.raises(DataError, match=re.escape(message)):
         load_examples(GSM8K, str(tmp_path), "train")
 
 
 def test_missing_file_says_what_is_expected(tmp_path):
-    with pytest.raises(DataError, match="train.jsonl and test.jsonl"):
+    with pytest.raises(DataError, match=r"train\.jsonl and test\.jsonl"):
         load_examples(GSM8K, str(tmp_path), "train")
 
 

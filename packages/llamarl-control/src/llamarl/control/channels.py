@@ -45,10 +45,17 @@ def send_rollouts(batch: RolloutBatch, metrics: dict[str, float], *, dst: int) -
     if list(tensors) != list(_DTYPES):
         raise ValueError(f"RolloutBatch fields changed: {list(tensors)}; update llamarl.control.channels")
     header = torch.tensor(
-        [batch.num_sequences, batch.prompt_ids_BP.shape[1], batch.completion_ids_BC.shape[1], batch.group_size],
+        [
+            batch.num_sequences,
+            batch.prompt_ids_BP.shape[1],
+            batch.completion_ids_BC.shape[1],
+            batch.group_size,
+        ],
         dtype=torch.int64,
     )
-    metric_values = torch.tensor([float(metrics.get(k, float("nan"))) for k in GENERATOR_METRICS], dtype=torch.float64)
+    metric_values = torch.tensor(
+        [float(metrics.get(k, float("nan"))) for k in GENERATOR_METRICS], dtype=torch.float64
+    )
     try:
         dist.send(header, dst)
         for name, tensor in tensors.items():

@@ -43,7 +43,9 @@ class PolicyLagError(RuntimeError):
 class Controller:
     """Runs one RL job on this rank. Construct on every rank, then `setup()`, `run()`, `close()`."""
 
-    def __init__(self, config: RunConfig, train_examples: list[Example], eval_examples: list[Example]) -> None:
+    def __init__(
+        self, config: RunConfig, train_examples: list[Example], eval_examples: list[Example]
+    ) -> None:
         self.config = config
         self.task = TASKS[config.task]
         self.train_examples = train_examples
@@ -176,10 +178,14 @@ class Controller:
         indices = [self._prompt_order[(first + j) % len(self._prompt_order)] for j in range(per_generator)]
         prompts = [self._tokenized_prompt(i) for i in indices]
         start = time.perf_counter()
-        batch = self.generator.generate(prompts, samples_per_prompt=cfg.samples_per_prompt, max_new_tokens=cfg.max_new_tokens)
+        batch = self.generator.generate(
+            prompts, samples_per_prompt=cfg.samples_per_prompt, max_new_tokens=cfg.max_new_tokens
+        )
         generate_s = time.perf_counter() - start
         texts = self._decode_completions(batch)
-        references = [self.train_examples[i].reference for i in indices for _ in range(cfg.samples_per_prompt)]
+        references = [
+            self.train_examples[i].reference for i in indices for _ in range(cfg.samples_per_prompt)
+        ]
         start = time.perf_counter()
         batch.rewards_B = torch.tensor(self.rewarder.score(texts, references), dtype=torch.float32)
         score_s = time.perf_counter() - start
@@ -229,7 +235,9 @@ class Controller:
         self._received = None
         lag = self.trainer.policy_version - int(batch.policy_version_B.min())
         if lag > self.config.max_policy_lag:
-            raise PolicyLagError(f"rollouts are {lag} policy versions old (max_policy_lag={self.config.max_policy_lag})")
+            raise PolicyLagError(
+                f"rollouts are {lag} policy versions old (max_policy_lag={self.config.max_policy_lag})"
+            )
         start = time.perf_counter()
         train_metrics = self.trainer.train_step(batch)
         now = time.perf_counter()
@@ -302,7 +310,10 @@ class Controller:
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     def _decode_completions(self, batch: RolloutBatch) -> list[str]:
-        ids = [row[mask.bool()].tolist() for row, mask in zip(batch.completion_ids_BC, batch.completion_mask_BC, strict=True)]
+        ids = [
+            row[mask.bool()].tolist()
+            for row, mask in zip(batch.completion_ids_BC, batch.completion_mask_BC, strict=True)
+        ]
         return self.tokenizer.batch_decode(ids, skip_special_tokens=True)
 
     def _maybe_fail(self, tick: int) -> None:
@@ -319,13 +330,21 @@ class Controller:
         return rss.tolist()
 
     def _summary(
-        self, *, wall_s: float, loop_s: float, eval_start: float | None, eval_end: float | None, peak_rss_mb: list[float]
+        self,
+        *,
+        wall_s: float,
+        loop_s: float,
+        eval_start: float | None,
+        eval_end: float | None,
+        peak_rss_mb: list[float],
     ) -> dict[str, Any]:
         cfg = self.config
         records = self._step_records
         step_times = [r["time/step_s"] for r in records[1:]]
         total_tokens = sum(r["train/num_completion_tokens"] for r in records)
-        syncs = [r["time/weight_sync_s"] for r in records if r["time/weight_sync_s"] == r["time/weight_sync_s"]]
+        syncs = [
+            r["time/weight_sync_s"] for r in records if r["time/weight_sync_s"] == r["time/weight_sync_s"]
+        ]
         syncs.append(self._last_sync_s)
         return {
             "mode": cfg.mode,

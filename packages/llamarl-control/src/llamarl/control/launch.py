@@ -7,6 +7,7 @@ the rank itself to OUTPUT_DIR/errors/) once, and raises `RunFailed`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -64,7 +65,9 @@ def launch(config: RunConfig, train_examples: list[Example], eval_examples: list
     # torch elastic logs every child failure at ERROR with its traceback; we show it once ourselves.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     try:
-        results = elastic_launch(launch_config, _rank_main)(config, train_examples, eval_examples, str(errors_dir))
+        results = elastic_launch(launch_config, _rank_main)(
+            config, train_examples, eval_examples, str(errors_dir)
+        )
     except ChildFailedError as e:
         raise _first_failure(errors_dir, e) from None
     return results[0]
@@ -87,13 +90,17 @@ def _rank_main(
         return summary
     except BaseException as e:
         rank = int(os.environ.get("RANK", -1))
-        record = {"rank": rank, "time": time.time(), "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+        record = {
+            "rank": rank,
+            "time": time.time(),
+            "error": f"{type(e).__name__}: {e}",
+            "traceback": traceback.format_exc(),
+        }
         Path(errors_dir, f"rank{rank}.json").write_text(json.dumps(record))
         if controller is not None:
-            try:  # free worker processes and sockets; the process exits right after either way
+            # Free worker processes and sockets; the process exits right after either way.
+            with contextlib.suppress(Exception):
                 controller.close()
-            except Exception:
-                pass
         os._exit(1)  # no traceback on stderr: the launcher prints the first failure once
 
 

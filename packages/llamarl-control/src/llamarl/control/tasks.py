@@ -8,7 +8,6 @@ validated when loaded, so a malformed file fails before any process is started.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,7 +70,9 @@ GSM8K = Task(
     hub_config="main",
     question_field="question",
     reference_fields=("answer",),
-    instruction="Solve the problem step by step, then give the final number on its own line as '#### <number>'.",
+    instruction=(
+        "Solve the problem step by step, then give the final number on its own line as '#### <number>'."
+    ),
 )
 
 MATH = Task(
@@ -141,6 +142,6 @@ def _load_hub(task: Task, dataset_id: str, split: str) -> list[Example]:
         rows = datasets.load_dataset(dataset_id, config, split=split)
     except Exception as e:  # the hub raises many types; the user needs the id and the reason
         raise DataError(f"could not load dataset '{dataset_id}' split '{split}': {e}") from None
-    return [task.example_from_row(dict(row), where=f"{dataset_id}[{split}][{i}]") for i, row in enumerate(rows)]
-
-
+    return [
+        task.example_from_row(dict(row), where=f"{dataset_id}[{split}][{i}]") for i, row in enumerate(rows)
+    ]
