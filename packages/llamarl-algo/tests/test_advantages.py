@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from llamarl.algo import get_advantage_estimator, group_advantages
 
 

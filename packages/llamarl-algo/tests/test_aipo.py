@@ -3,6 +3,7 @@
 import math
 
 import torch
+
 from llamarl.algo import aipo_loss, get_policy_loss
 
 

@@ -3,6 +3,7 @@ temperature, extreme logits, low-precision inputs."""
 
 import pytest
 import torch
+
 from llamarl.algo import entropy_from_logits, token_logprobs
 
 

@@ -12,8 +12,9 @@ hyper-parameters keyword-only, with defaults) so that the registry can bind them
 from __future__ import annotations
 
 import torch
-from llamarl.algo.masking import group_view
 from torch import Tensor
+
+from llamarl.algo.masking import group_view
 
 DEFAULT_EPS = 1e-6
 
@@ -49,3 +50,66 @@ def group_mean_advantages(rewards_B: Tensor, group_size: int) -> Tensor:
 def group_mean_std_advantages(rewards_B: Tensor, group_size: int, *, eps: float = DEFAULT_EPS) -> Tensor:
     """A_i = (r_i - mean_group) / (std_group + eps) (GRPO). [B] -> [B]."""
     return group_advantages(rewards_B, group_size, normalize_std=True, eps=eps)
+
+
+def rloo_advantages(rewards_B: Tensor, group_size: int) -> Tensor:
+    """RLOO (Ahmadian et al., 2024; Kool et al., 2019): the baseline of a sample is the mean reward of
+    the OTHER samples of its prompt, A_i = r_i - mean_{j != i} r_j = G / (G - 1) (r_i - mean_group).
+    [B] -> [B]; needs group_size >= 2."""
+    if group_size < 2:
+        raise ValueError(f"RLOO needs at least 2 samples per prompt, got group_size={group_size}")
+    return group_advantages(rewards_B, group_size) * (group_size / (group_size - 1))
+
+
+def reinforce_pp_baseline_advantages(
+    rewards_B: Tensor, group_size: int, *, eps: float = DEFAULT_EPS
+) -> Tensor:
+    """REINFORCE++-baseline (Hu et al., "REINFORCE++", 2025): subtract the group mean, then normalise by
+    the mean and std of the whole batch (not of each group), which is more robust for small groups.
+    [B] -> [B]. "The batch" is the tensor passed in: call it on the global batch's rewards."""
+    centered_B = group_advantages(rewards_B, group_size)
+    return (centered_B - centered_B.mean()) / (centered_B.std(correction=0) + eps)
+
+
+@torch.no_grad()
+def gae_advantages(
+    rewards_BT: Tensor,
+    values_BT: Tensor,
+    mask_BT: Tensor,
+    *,
+    gamma: float = 1.0,
+    lam: float = 0.95,
+) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation (Schulman et al., 2016) over the valid tokens, and the returns
+    the critic regresses on.
+
+        delta_t = r_t + gamma V_{t+1} - V_t,   A_t = delta_t + gamma lam A_{t+1},   R_t = A_t + V_t
+
+    where t+1 is the next VALID token (padding and masked tokens in between, e.g. tool output, are
+    skipped) and V, A past the last valid token are 0.
+
+    Args:
+        rewards_BT: per-token rewards, usually the sequence reward on its last valid token, plus any
+            per-token penalty (e.g. KL).
+        values_BT: the critic's values V(s_t), detached.
+        mask_BT: valid tokens.
+        gamma: discount; lam: GAE's bias/variance trade-off (1 gives Monte Carlo returns minus V).
+
+    Returns:
+        (advantages_BT, returns_BT), 0 on masked tokens, no gradient.
+    """
+    dtype = torch.promote_types(torch.promote_types(rewards_BT.dtype, values_BT.dtype), torch.float32)
+    rewards_BT, values_BT, valid_BT = rewards_BT.to(dtype), values_BT.to(dtype), mask_BT.bool()
+    advantages_BT = torch.zeros_like(values_BT)
+    next_value_B = torch.zeros_like(values_BT[:, 0])
+    next_advantage_B = torch.zeros_like(next_value_B)
+    for t in reversed(range(values_BT.shape[-1])):
+        valid_B = valid_BT[:, t]
+        delta_B = rewards_BT[:, t] + gamma * next_value_B - values_BT[:, t]
+        advantage_B = delta_B + gamma * lam * next_advantage_B
+        advantages_BT[:, t] = torch.where(valid_B, advantage_B, 0.0)
+        # A masked token neither starts nor breaks the recursion: carry the next valid token's values.
+        next_value_B = torch.where(valid_B, values_BT[:, t], next_value_B)
+        next_advantage_B = torch.where(valid_B, advantage_B, next_advantage_B)
+    returns_BT = torch.where(valid_BT, advantages_BT + values_BT, 0.0)
+    return advantages_BT, returns_BT

@@ -25,9 +25,19 @@ through the ratio where the paper differentiates it (PPO, GRPO, DAPO, GSPO).
 
 from __future__ import annotations
 
+import math
+
 import torch
-from llamarl.algo.masking import expand_to_tokens, masked_max, masked_mean, token_sum_over
 from torch import Tensor
+
+from llamarl.algo.masking import (
+    expand_to_tokens,
+    masked_max,
+    masked_mean,
+    masked_sum,
+    sequence_mean,
+    token_sum_over,
+)
 
 LOG_RATIO_LIMIT = 20.0
 """|log ratio| is clamped to this before exp: exp(20) ~ 5e8 keeps the ratio finite in float32 even for
@@ -91,5 +101,269 @@ def aipo_loss(
     advantages_BT = expand_to_tokens(advantages, logprobs_BT).detach()
     loss = -token_sum_over(weight_BT * advantages_BT * logprobs_BT, mask_BT, num_valid_tokens)
     metrics = _ratio_metrics(ratio_BT, mask_BT, ratio_BT > rho)
+    metrics["mismatch_kl"] = k3_mismatch_kl(logprobs_BT, behavior_logprobs_BT, mask_BT)
+    return loss, metrics
+
+
+def aipo_sequence_loss(
+    logprobs_BT: Tensor,
+    behavior_logprobs_BT: Tensor,
+    advantages: Tensor,
+    mask_BT: Tensor,
+    *,
+    rho: float = 4.0,
+    num_valid_tokens: int,
+    num_sequences: int | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """AIPO with one importance weight per sequence: the product of the token ratios, truncated.
+
+    w_i = min(prod_t pi(y_it) / mu(y_it), rho), detached;  loss = -sum_i w_i sum_t A_it log pi(y_it)
+    / num_valid_tokens. The sequence ratio is the unbiased weight for a sequence-level reward but has
+    a far larger spread than the token ratios, so expect a larger truncated fraction than token AIPO.
+
+    Args:
+        logprobs_BT, behavior_logprobs_BT, advantages ([B] or [B, T]), mask_BT: as in `aipo_loss`.
+        rho: truncation threshold of the sequence weight; inf disables it.
+        num_valid_tokens: valid tokens in the global batch.
+        num_sequences: unused (uniform signature).
+
+    Returns:
+        (loss, metrics): ratio_mean, ratio_max, truncated_fraction (over sequences), mismatch_kl.
+    """
+    del num_sequences
+    log_ratio_BT = _log_ratio(logprobs_BT.detach(), behavior_logprobs_BT, mask_BT)
+    # Summed in log space and truncated there: the product itself overflows for long sequences.
+    log_seq_ratio_B = log_ratio_BT.sum(-1)
+    if rho <= 0:
+        raise ValueError(f"rho must be positive, got {rho}")
+    weight_B = log_seq_ratio_B.clamp(max=math.log(rho)).exp()
+    advantages_BT = expand_to_tokens(advantages, logprobs_BT).detach()
+    loss = -token_sum_over(weight_B[:, None] * advantages_BT * logprobs_BT, mask_BT, num_valid_tokens)
+    has_tokens_B = mask_BT.bool().any(-1)
+    seq_ratio_B = log_seq_ratio_B.clamp(max=LOG_RATIO_LIMIT).exp()
+    metrics = _ratio_metrics(seq_ratio_B, has_tokens_B, log_seq_ratio_B > math.log(rho))
+    metrics["mismatch_kl"] = k3_mismatch_kl(logprobs_BT, behavior_logprobs_BT, mask_BT)
+    return loss, metrics
+
+
+def policy_gradient_loss(
+    logprobs_BT: Tensor,
+    behavior_logprobs_BT: Tensor,
+    advantages: Tensor,
+    mask_BT: Tensor,
+    *,
+    num_valid_tokens: int,
+    num_sequences: int | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Plain on-policy policy gradient (REINFORCE with the advantage as baseline-corrected return).
+
+    loss = -sum_{valid t} A_t log pi(y_t) / num_valid_tokens; the behaviour log-probs are ignored for the
+    loss (no importance correction) and only reported through mismatch_kl.
+    """
+    del num_sequences
+    advantages_BT = expand_to_tokens(advantages, logprobs_BT).detach()
+    loss = -token_sum_over(advantages_BT * logprobs_BT, mask_BT, num_valid_tokens)
+    return loss, {"mismatch_kl": k3_mismatch_kl(logprobs_BT, behavior_logprobs_BT, mask_BT)}
+
+
+def _clipped_objective(
+    ratio_BT: Tensor, advantages_BT: Tensor, clip_low: float, clip_high: float
+) -> tuple[Tensor, Tensor]:
+    """Per token min(r A, clip(r, 1 - clip_low, 1 + clip_high) A) and where the clipped branch is taken
+    (there the token carries no gradient)."""
+    unclipped_BT = ratio_BT * advantages_BT
+    clipped_BT = ratio_BT.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages_BT
+    return torch.minimum(unclipped_BT, clipped_BT), clipped_BT < unclipped_BT
+
+
+def _clip_metrics(
+    ratio_BT: Tensor, mask_BT: Tensor, clipped_BT: Tensor, logprobs_BT: Tensor, old_logprobs_BT: Tensor
+) -> dict[str, Tensor]:
+    metrics = _ratio_metrics(ratio_BT, mask_BT, clipped_BT)
+    metrics["clipped_fraction"] = metrics.pop("truncated_fraction")
+    metrics["mismatch_kl"] = k3_mismatch_kl(logprobs_BT, old_logprobs_BT, mask_BT)
+    return metrics
+
+
+def _token_clipped_terms(
+    logprobs_BT: Tensor,
+    old_logprobs_BT: Tensor,
+    advantages: Tensor,
+    mask_BT: Tensor,
+    clip_low: float,
+    clip_high: float,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Token-level clipped surrogate per token (to be maximised) and its metrics."""
+    ratio_BT = _log_ratio(logprobs_BT, old_logprobs_BT, mask_BT).exp()
+    advantages_BT = expand_to_tokens(advantages, logprobs_BT).detach()
+    objective_BT, clipped_BT = _clipped_objective(ratio_BT, advantages_BT, clip_low, clip_high)
+    return objective_BT, _clip_metrics(ratio_BT, mask_BT, clipped_BT, logprobs_BT, old_logprobs_BT)
+
+
+def ppo_clip_loss(
+    logprobs_BT: Tensor,
+    behavior_logprobs_BT: Tensor,
+    advantages: Tensor,
+    mask_BT: Tensor,
+    *,
+    clip_eps: float = 0.2,
+    num_valid_tokens: int,
+    num_sequences: int | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO-clip (Schulman et al., 2017), symmetric clip, token-level mean.
+
+    r_t = pi(y_t) / pi_old(y_t);  loss = -sum_{valid t} min(r_t A_t, clip(r_t, 1 - eps, 1 + eps) A_t)
+    / num_valid_tokens. `behavior_logprobs_BT` are the old log-probs. Use with GAE advantages ([B, T])
+    and `clipped_value_loss` for a critic, or with any critic-free advantage ([B]).
+    """
+    del num_sequences
+    objective_BT, metrics = _token_clipped_terms(
+        logprobs_BT, behavior_logprobs_BT, advantages, mask_BT, clip_eps, clip_eps
+    )
+    return -token_sum_over(objective_BT, mask_BT, num_valid_tokens), metrics
+
+
+def grpo_loss(
+    logprobs_BT: Tensor,
+    behavior_logprobs_BT: Tensor,
+    advantages: Tensor,
+    mask_BT: Tensor,
+    *,
+    clip_eps: float = 0.2,
+    num_valid_tokens: int | None = None,
+    num_sequences: int,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GRPO (Shao et al., DeepSeekMath, 2024): the PPO-clip surrogate averaged over each sequence's
+    tokens, then over the sequences.
+
+    loss = -(1 / num_sequences) sum_i (1 / |y_i|) sum_t min(r_it A_i, clip(r_it, 1 - eps, 1 + eps) A_i)
+
+    Pair it with the "group_mean_std" advantage. Its KL penalty against a reference policy is a separate
+    term (`kl_penalty_loss` with the "k3" estimator), added by the trainer when it has a reference.
+    """
+    del num_valid_tokens
+    objective_BT, metrics = _token_clipped_terms(
+        logprobs_BT, behavior_logprobs_BT, advantages, mask_BT, clip_eps, clip_eps
+    )
+    return -sequence_mean(objective_BT, mask_BT).sum() / num_sequences, metrics
+
+
+def dapo_loss(
+    logprobs_BT: Tensor,
+    behavior_logprobs_BT: Tensor,
+    advantages: Tensor,
+    mask_BT: Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    num_valid_tokens: int,
+    num_sequences: int | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """DAPO (Yu et al., 2025): decoupled clip range ("clip-higher") and a token-level mean.
+
+    loss = -sum_{valid t} min(r_t A_t, clip(r_t, 1 - clip_low, 1 + clip_high) A_t) / num_valid_tokens
+
+    DAPO's dynamic sampling (dropping groups whose rewards are all equal) and overlong reward shaping
+    act on the data, not on the loss, and live with the caller.
+    """
+    del num_sequences
+    objective_BT, metrics = _token_clipped_terms(
+        logprobs_BT, behavior_logprobs_BT, advantages, mask_BT, clip_low, clip_high
+    )
+    return -token_sum_over(objective_BT, mask_BT, num_valid_tokens), metrics
+
+
+def dr_grpo_loss(
+    logprobs_BT: Tensor,
+    behavior_logprobs_BT: Tensor,
+    advantages: Tensor,
+    mask_BT: Tensor,
+    *,
+    clip_eps: float = 0.2,
+    max_response_length: int | None = None,
+    num_valid_tokens: int | None = None,
+    num_sequences: int,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Dr.GRPO (Liu et al., "Understanding R1-Zero-Like Training", 2025): GRPO without the per-sequence
+    length normalisation (and, on the advantage side, without the std normalisation: use "group_mean").
+
+    loss = -sum_i sum_t min(r_it A_i, clip(r_it, 1 - eps, 1 + eps) A_i) / (num_sequences * L)
+
+    L is a constant: `max_response_length` (the generation budget), or T, the padded length of the
+    tensors, when None; micro-batches must then share the same T for their losses to add up.
+    """
+    del num_valid_tokens
+    objective_BT, metrics = _token_clipped_terms(
+        logprobs_BT, behavior_logprobs_BT, advantages, mask_BT, clip_eps, clip_eps
+    )
+    length = max_response_length if max_response_length is not None else logprobs_BT.shape[-1]
+    return -masked_sum(objective_BT, mask_BT) / (num_sequences * length), metrics
+
+
+def gspo_loss(
+    logprobs_BT: Tensor,
+    behavior_logprobs_BT: Tensor,
+    advantages: Tensor,
+    mask_BT: Tensor,
+    *,
+    clip_low: float = 3e-4,
+    clip_high: float = 4e-4,
+    num_valid_tokens: int | None = None,
+    num_sequences: int,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GSPO (Zheng et al., "Group Sequence Policy Optimization", 2025): one length-normalised ratio per
+    sequence, s_i = (prod_t pi(y_it) / pi_old(y_it))^(1 / |y_i|), clipped per sequence.
+
+    loss = -(1 / num_sequences) sum_i min(s_i A_i, clip(s_i, 1 - clip_low, 1 + clip_high) A_i)
+
+    Written in the paper's GSPO-token form, s_it = sg(s_i) * pi(y_it) / sg(pi(y_it)), averaged over each
+    sequence's tokens: for [B] advantages it has exactly GSPO's value and gradient, and it also accepts
+    [B, T] advantages (e.g. after a token-level importance correction). Default clip ranges are the
+    paper's (ratios are sequence geometric means, hence so small).
+    """
+    del num_valid_tokens
+    log_ratio_BT = _log_ratio(logprobs_BT, behavior_logprobs_BT, mask_BT)
+    log_seq_ratio_B = sequence_mean(log_ratio_BT, mask_BT)
+    # Value: s_i on every token; gradient: s_i * grad log pi(y_it) (the sg(...) pieces).
+    token_log_ratio_BT = log_seq_ratio_B.detach()[:, None] + logprobs_BT - logprobs_BT.detach()
+    token_log_ratio_BT = torch.where(mask_BT.bool(), token_log_ratio_BT, torch.zeros_like(token_log_ratio_BT))
+    ratio_BT = token_log_ratio_BT.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT).exp()
+    advantages_BT = expand_to_tokens(advantages, logprobs_BT).detach()
+    objective_BT, clipped_BT = _clipped_objective(ratio_BT, advantages_BT, clip_low, clip_high)
+    loss = -sequence_mean(objective_BT, mask_BT).sum() / num_sequences
+    has_tokens_B = mask_BT.bool().any(-1)
+    seq_ratio_B = log_seq_ratio_B.detach().exp()
+    metrics = _ratio_metrics(seq_ratio_B, has_tokens_B, torch.zeros_like(has_tokens_B))
+    metrics["clipped_fraction"] = masked_mean(clipped_BT.to(seq_ratio_B.dtype), mask_BT)
+    del metrics["truncated_fraction"]
+    metrics["mismatch_kl"] = k3_mismatch_kl(logprobs_BT, behavior_logprobs_BT, mask_BT)
+    return loss, metrics
+
+
+def cispo_loss(
+    logprobs_BT: Tensor,
+    behavior_logprobs_BT: Tensor,
+    advantages: Tensor,
+    mask_BT: Tensor,
+    *,
+    clip_low: float = 1.0,
+    clip_high: float = 0.28,
+    num_valid_tokens: int,
+    num_sequences: int | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """CISPO (MiniMax-M1, 2025): clip the importance weight, detach it, and keep every token's gradient.
+
+    loss = -sum_{valid t} sg(clip(r_t, 1 - clip_low, 1 + clip_high)) A_t log pi(y_t) / num_valid_tokens
+
+    The paper sets no lower bound and tunes only the upper one: clip_low = 1 (a lower bound of 0) is
+    that. AIPO is the same estimator with only the upper bound, rho = 1 + clip_high.
+    """
+    del num_sequences
+    ratio_BT = _log_ratio(logprobs_BT.detach(), behavior_logprobs_BT, mask_BT).exp()
+    weight_BT = ratio_BT.clamp(1.0 - clip_low, 1.0 + clip_high)
+    advantages_BT = expand_to_tokens(advantages, logprobs_BT).detach()
+    loss = -token_sum_over(weight_BT * advantages_BT * logprobs_BT, mask_BT, num_valid_tokens)
+    metrics = _ratio_metrics(ratio_BT, mask_BT, weight_BT != ratio_BT)
+    metrics["clipped_fraction"] = metrics.pop("truncated_fraction")
     metrics["mismatch_kl"] = k3_mismatch_kl(logprobs_BT, behavior_logprobs_BT, mask_BT)
     return loss, metrics

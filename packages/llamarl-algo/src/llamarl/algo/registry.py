@@ -16,8 +16,10 @@ import inspect
 from collections.abc import Callable
 from typing import Protocol
 
-from llamarl.algo import advantages, policy_losses
 from torch import Tensor
+
+from llamarl.algo import advantages, policy_losses
+from llamarl.algo.mismatch import with_mismatch_correction
 
 
 class PolicyLoss(Protocol):
@@ -43,11 +45,21 @@ class AdvantageEstimator(Protocol):
 
 _POLICY_LOSSES: dict[str, Callable[..., tuple[Tensor, dict[str, Tensor]]]] = {
     "aipo": policy_losses.aipo_loss,
+    "aipo_seq": policy_losses.aipo_sequence_loss,
+    "reinforce": policy_losses.policy_gradient_loss,
+    "ppo_clip": policy_losses.ppo_clip_loss,
+    "grpo": policy_losses.grpo_loss,
+    "dapo": policy_losses.dapo_loss,
+    "dr_grpo": policy_losses.dr_grpo_loss,
+    "gspo": policy_losses.gspo_loss,
+    "cispo": policy_losses.cispo_loss,
 }
 
 _ADVANTAGES: dict[str, Callable[..., Tensor]] = {
     "group_mean": advantages.group_mean_advantages,
     "group_mean_std": advantages.group_mean_std_advantages,
+    "rloo": advantages.rloo_advantages,
+    "reinforce_pp_baseline": advantages.reinforce_pp_baseline_advantages,
 }
 
 POLICY_LOSS_NAMES: tuple[str, ...] = tuple(_POLICY_LOSSES)
@@ -77,13 +89,32 @@ def _bind(kind: str, table: dict[str, Callable], name: str, hparams: dict, reser
     return functools.partial(fn, **hparams)
 
 
-def get_policy_loss(name: str = DEFAULT_POLICY_LOSS, **hparams) -> PolicyLoss:
+def get_policy_loss(
+    name: str = DEFAULT_POLICY_LOSS,
+    *,
+    mismatch_is: str | None = None,
+    mismatch_cap: float = 2.0,
+    **hparams,
+) -> PolicyLoss:
     """The policy loss registered as `name`, with `hparams` bound (e.g. `get_policy_loss("aipo", rho=2.0)`).
 
+    Args:
+        name: one of `POLICY_LOSS_NAMES`.
+        mismatch_is: None, or one of `llamarl.algo.mismatch.MISMATCH_MODES` ("token_truncate",
+            "token_mask", "sequence_truncate", "sequence_mask") to correct the generator/trainer
+            log-prob mismatch (see `with_mismatch_correction`); the returned loss then also accepts
+            `trainer_old_logprobs_BT=`.
+        mismatch_cap: the truncation / masking threshold of that correction.
+        **hparams: the loss's keyword hyper-parameters (see its docstring).
+
     Raises:
-        ValueError: unknown name (the message lists the valid names) or unknown hyper-parameter.
+        ValueError: unknown name (the message lists the valid names), unknown hyper-parameter or
+            unknown mismatch mode.
     """
-    return _bind("policy loss", _POLICY_LOSSES, name, hparams, _CALL_ARGUMENTS)
+    loss_fn = _bind("policy loss", _POLICY_LOSSES, name, hparams, _CALL_ARGUMENTS)
+    if mismatch_is is None:
+        return loss_fn
+    return with_mismatch_correction(loss_fn, mode=mismatch_is, cap=mismatch_cap)
 
 
 def get_advantage_estimator(name: str = DEFAULT_ADVANTAGE, **hparams) -> AdvantageEstimator:
