@@ -1,9 +1,18 @@
 """Advantage estimators: hand-computed values."""
 
+import math
+
 import pytest
 import torch
 
-from llamarl.algo import get_advantage_estimator, group_advantages
+from llamarl.algo import (
+    ADVANTAGE_NAMES,
+    gae_advantages,
+    get_advantage_estimator,
+    group_advantages,
+    reinforce_pp_baseline_advantages,
+    rloo_advantages,
+)
 
 
 def test_group_mean_hand_computed():
@@ -25,3 +34,73 @@ def test_registry_defaults_and_errors():
         get_advantage_estimator("nope")
     with pytest.raises(ValueError, match="not a whole number"):
         group_advantages(torch.ones(5), 2)
+
+
+def test_rloo_hand_computed():
+    rewards_B = torch.tensor([1.0, 0.0, 0.0, 2.0, 2.0, 5.0])
+    advantages_B = rloo_advantages(rewards_B, 3)
+    # r_i minus the mean of the two others.
+    torch.testing.assert_close(advantages_B, torch.tensor([1.0, -0.5, -0.5, -1.5, -1.5, 3.0]))
+    with pytest.raises(ValueError, match="at least 2"):
+        rloo_advantages(rewards_B, 1)
+
+
+def test_reinforce_pp_baseline_hand_computed():
+    rewards_B = torch.tensor([1.0, 0.0, 3.0, 3.0], dtype=torch.float64)
+    advantages_B = reinforce_pp_baseline_advantages(rewards_B, 2, eps=0.0)
+    # Group-centred: [0.5, -0.5, 0, 0]; batch mean 0, batch std sqrt(0.125).
+    expected = torch.tensor([0.5, -0.5, 0.0, 0.0], dtype=torch.float64) / math.sqrt(0.125)
+    torch.testing.assert_close(advantages_B, expected)
+
+
+def test_every_registered_estimator_runs_by_name():
+    rewards_B = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 0.0])
+    assert ADVANTAGE_NAMES[0] == "group_mean"
+    for name in ADVANTAGE_NAMES:
+        advantages_B = get_advantage_estimator(name)(rewards_B, 3)
+        assert advantages_B.shape == (6,) and torch.isfinite(advantages_B).all()
+        # Every estimator here is zero-mean within a group of equal rewards.
+        torch.testing.assert_close(get_advantage_estimator(name)(torch.ones(6), 3), torch.zeros(6))
+    with pytest.raises(ValueError, match="eps"):
+        get_advantage_estimator("rloo", eps=1.0)
+    torch.testing.assert_close(
+        get_advantage_estimator("group_mean_std", eps=1.0)(rewards_B[:2], 2), torch.tensor([1 / 3, -1 / 3])
+    )
+
+
+def test_gae_hand_computed():
+    rewards_BT = torch.tensor([[0.0, 0.0, 1.0, 0.0]], dtype=torch.float64)
+    values_BT = torch.tensor([[0.5, 0.4, 0.6, 9.0]], dtype=torch.float64)
+    mask_BT = torch.tensor([[1, 1, 1, 0]])
+    gamma, lam = 0.9, 0.5
+    advantages_BT, returns_BT = gae_advantages(rewards_BT, values_BT, mask_BT, gamma=gamma, lam=lam)
+    d2 = 1.0 - 0.6
+    d1 = 0.0 + gamma * 0.6 - 0.4
+    d0 = 0.0 + gamma * 0.4 - 0.5
+    a2 = d2
+    a1 = d1 + gamma * lam * a2
+    a0 = d0 + gamma * lam * a1
+    torch.testing.assert_close(advantages_BT, torch.tensor([[a0, a1, a2, 0.0]], dtype=torch.float64))
+    torch.testing.assert_close(
+        returns_BT, torch.tensor([[a0 + 0.5, a1 + 0.4, a2 + 0.6, 0.0]], dtype=torch.float64)
+    )
+
+
+def test_gae_with_lambda_one_and_gamma_one_is_return_minus_value():
+    rewards_BT = torch.tensor([[0.0, 0.5, 0.0, 1.0]])
+    values_BT = torch.tensor([[0.1, 0.2, 0.3, 0.4]])
+    advantages_BT, returns_BT = gae_advantages(rewards_BT, values_BT, torch.ones(1, 4), gamma=1.0, lam=1.0)
+    torch.testing.assert_close(returns_BT, torch.tensor([[1.5, 1.5, 1.0, 1.0]]))
+    torch.testing.assert_close(advantages_BT, returns_BT - values_BT)
+
+
+def test_gae_skips_masked_tokens_in_the_middle():
+    # A masked token (e.g. a tool's output) between two valid ones is skipped, not treated as an end.
+    rewards_BT = torch.tensor([[0.0, 7.0, 1.0]])
+    values_BT = torch.tensor([[0.2, 5.0, 0.3]])
+    with_hole, _ = gae_advantages(rewards_BT, values_BT, torch.tensor([[1, 0, 1]]), gamma=0.9, lam=0.8)
+    without, _ = gae_advantages(
+        rewards_BT[:, [0, 2]], values_BT[:, [0, 2]], torch.ones(1, 2), gamma=0.9, lam=0.8
+    )
+    torch.testing.assert_close(with_hole[:, [0, 2]], without)
+    assert with_hole[0, 1] == 0

@@ -92,3 +92,57 @@ def test_entropy_hand_computed_and_masked_vocabulary():
     torch.testing.assert_close(entropy_BT, expected)
     entropy_BT.sum().backward()
     assert torch.isfinite(logits_BTV.grad).all()
+
+
+def _largest_float32_saved_for_backward(fn, logits_BTV):
+    sizes = []
+
+    def pack(t):
+        if t.dtype == torch.float32:
+            sizes.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(logits_BTV)
+    return out, max(sizes, default=0)
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: token_logprobs(x, torch.zeros(4, 64, dtype=torch.long), chunk_size=16),
+        lambda x: entropy_from_logits(x, chunk_size=16),
+    ],
+)
+def test_no_tokens_by_vocab_float32_copy_is_kept_for_backward(fn):
+    # bf16 logits: the only (tokens x vocab) tensor saved is the caller's bf16 logits; float32 saved
+    # tensors are per-token vectors.
+    logits_BTV = torch.randn(4, 64, 1000).bfloat16().requires_grad_()
+    out, largest = _largest_float32_saved_for_backward(fn, logits_BTV)
+    assert largest <= 4 * 64
+    out.sum().backward()
+    assert logits_BTV.grad.dtype == torch.bfloat16 and torch.isfinite(logits_BTV.grad.float()).all()
+
+
+def test_forward_and_backward_hold_at_most_one_float32_chunk():
+    # Watch every float32 tensor created by an op: none may be larger than one chunk of the vocabulary.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class LargestFloat32(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, tuple | list) else (out,):
+                if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
+                    LargestFloat32.largest = max(LargestFloat32.largest, t.numel())
+            return out
+
+    tokens, vocab, chunk = 4 * 64, 1000, 16
+    logits_BTV = torch.randn(4, 64, vocab).bfloat16().requires_grad_()
+    token_ids_BT = torch.randint(0, vocab, (4, 64))
+    with LargestFloat32():
+        loss = token_logprobs(logits_BTV, token_ids_BT, chunk_size=chunk).sum()
+        loss = loss + entropy_from_logits(logits_BTV, chunk_size=chunk).sum()
+        loss.backward()
+    assert LargestFloat32.largest <= chunk * vocab < tokens * vocab

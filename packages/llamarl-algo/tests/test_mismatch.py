@@ -1,0 +1,95 @@
+"""Generator/trainer mismatch correction: weights by hand, and how it composes with the losses."""
+
+import math
+
+import pytest
+import torch
+
+from llamarl.algo import aipo_loss, get_policy_loss, mismatch_weights, ppo_clip_loss, with_mismatch_correction
+from llamarl.algo.policy_losses import policy_gradient_loss
+
+# Two sequences; trainer-vs-generator ratios r chosen by hand; the last token of sequence 1 is padding.
+R_BT = torch.tensor([[0.5, 3.0, 1.0], [1.5, 1.2, 100.0]], dtype=torch.float64)
+MASK_BT = torch.tensor([[1, 1, 1], [1, 1, 0]])
+TRAINER_OLD_BT = torch.tensor([[-1.0, -0.5, -2.0], [-0.1, -0.7, -3.0]], dtype=torch.float64)
+BEHAVIOR_BT = TRAINER_OLD_BT - R_BT.log()
+
+
+@pytest.mark.parametrize(
+    ("mode", "expected", "corrected"),
+    [
+        ("token_truncate", [[0.5, 2.0, 1.0], [1.5, 1.2, 1.0]], 1 / 5),
+        ("token_mask", [[0.5, 0.0, 1.0], [1.5, 1.2, 1.0]], 1 / 5),
+        ("sequence_truncate", [1.5, 1.8], 0.0),
+        ("sequence_mask", [1.5, 1.8], 0.0),
+    ],
+)
+def test_weights_hand_computed(mode, expected, corrected):
+    weights, metrics = mismatch_weights(TRAINER_OLD_BT, BEHAVIOR_BT, MASK_BT, mode=mode, cap=2.0)
+    # Padding gets ratio 1 (its log-ratio is zeroed), so it never decides anything.
+    torch.testing.assert_close(weights, torch.tensor(expected, dtype=torch.float64))
+    torch.testing.assert_close(
+        metrics["mismatch_corrected_fraction"], torch.tensor(corrected, dtype=torch.float64)
+    )
+    valid = [0.5, 3.0, 1.0, 1.5, 1.2]
+    k3 = sum(r - 1 - math.log(r) for r in valid) / 5
+    torch.testing.assert_close(metrics["mismatch_kl"], torch.tensor(k3, dtype=torch.float64))
+
+
+@pytest.mark.parametrize(
+    ("mode", "expected"), [("sequence_truncate", [1.0, 1.0]), ("sequence_mask", [0.0, 0.0])]
+)
+def test_sequence_weights_over_the_cap(mode, expected):
+    weights, metrics = mismatch_weights(TRAINER_OLD_BT, BEHAVIOR_BT, MASK_BT, mode=mode, cap=1.0)
+    torch.testing.assert_close(weights, torch.tensor(expected, dtype=torch.float64))
+    torch.testing.assert_close(metrics["mismatch_corrected_fraction"], torch.tensor(1.0, dtype=torch.float64))
+
+
+def test_token_truncation_on_reinforce_is_aipo():
+    # With no trainer_old_logprobs the trainer's current log-probs are pi_old: the corrected plain
+    # policy gradient is then exactly AIPO with rho = cap.
+    logprobs_BT = TRAINER_OLD_BT.clone().requires_grad_()
+    advantages_B = torch.tensor([1.0, -0.5], dtype=torch.float64)
+    corrected = with_mismatch_correction(policy_gradient_loss, mode="token_truncate", cap=2.0)
+    loss, metrics = corrected(
+        logprobs_BT, BEHAVIOR_BT, advantages_B, MASK_BT, num_valid_tokens=5, num_sequences=2
+    )
+    (grad,) = torch.autograd.grad(loss, logprobs_BT)
+    aipo, _ = aipo_loss(logprobs_BT, BEHAVIOR_BT, advantages_B, MASK_BT, rho=2.0, num_valid_tokens=5)
+    (aipo_grad,) = torch.autograd.grad(aipo, logprobs_BT)
+    torch.testing.assert_close(loss, aipo)
+    torch.testing.assert_close(grad, aipo_grad)
+    assert {"policy_kl", "mismatch_kl", "mismatch_weight_mean", "mismatch_weight_max"} <= set(metrics)
+
+
+def test_matching_log_probs_leave_the_loss_unchanged():
+    logprobs_BT = (TRAINER_OLD_BT + 0.05).requires_grad_()
+    advantages_B = torch.tensor([1.0, -0.5], dtype=torch.float64)
+    loss_fn = get_policy_loss("ppo_clip", mismatch_is="token_mask", mismatch_cap=2.0)
+    counts = {"num_valid_tokens": 5, "num_sequences": 2}
+    loss, _ = loss_fn(
+        logprobs_BT, TRAINER_OLD_BT, advantages_B, MASK_BT, trainer_old_logprobs_BT=TRAINER_OLD_BT, **counts
+    )
+    plain, _ = ppo_clip_loss(logprobs_BT, TRAINER_OLD_BT, advantages_B, MASK_BT, **counts)
+    torch.testing.assert_close(loss, plain)
+
+
+def test_correction_weights_each_token_of_the_inner_loss():
+    logprobs_BT = (TRAINER_OLD_BT + 0.05).requires_grad_()
+    advantages_B = torch.tensor([1.0, -0.5], dtype=torch.float64)
+    counts = {"num_valid_tokens": 5, "num_sequences": 2}
+    loss_fn = get_policy_loss("ppo_clip", mismatch_is="token_truncate", mismatch_cap=2.0)
+    loss, _ = loss_fn(
+        logprobs_BT, BEHAVIOR_BT, advantages_B, MASK_BT, trainer_old_logprobs_BT=TRAINER_OLD_BT, **counts
+    )
+    weights_BT = torch.tensor([[0.5, 2.0, 1.0], [1.5, 1.2, 1.0]], dtype=torch.float64)
+    ratio_BT = torch.exp(logprobs_BT.detach() - TRAINER_OLD_BT)  # e^0.05, inside the clip range
+    expected = -(weights_BT * advantages_B[:, None] * ratio_BT * MASK_BT).sum() / 5
+    torch.testing.assert_close(loss, expected)
+
+
+def test_unknown_mode_and_bad_cap():
+    with pytest.raises(ValueError, match="sequence_mask"):
+        with_mismatch_correction(policy_gradient_loss, mode="bogus")
+    with pytest.raises(ValueError, match="cap"):
+        mismatch_weights(TRAINER_OLD_BT, BEHAVIOR_BT, MASK_BT, cap=0.0)
