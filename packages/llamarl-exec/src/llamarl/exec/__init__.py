@@ -1,1 +1,57 @@
-"""llamarl.exec"""
+"""llamarl.exec: the executors (generator, trainer, rewarder) behind the Protocols of `llamarl.exec.types`.
+
+Public names are imported lazily (PEP 562): a reward worker process imports `llamarl.exec.rewards`
+and must not pay for torch and transformers on every (re)start.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+_EXPORTS = {
+    "RolloutBatch": "types",
+    "Generator": "types",
+    "Rewarder": "types",
+    "Trainer": "types",
+    "HFGenerator": "hf_generator",
+    "HFGeneratorConfig": "hf_generator",
+    "PolicyTrainer": "trainer",
+    "TrainerConfig": "trainer",
+    "ProcessRewarder": "reward_pool",
+    "RewarderConfig": "reward_pool",
+    "REWARD_FNS": "rewards",
+    "get_reward_fn": "rewards",
+    "gsm8k_reward": "rewards",
+    "math_reward": "rewards",
+    "extract_gsm8k_answer": "rewards",
+    "last_boxed": "rewards",
+    "load_model_and_tokenizer": "models",
+    "smollm2_path": "models",
+    "tiny_model": "models",
+}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from llamarl.exec.hf_generator import HFGenerator, HFGeneratorConfig
+    from llamarl.exec.models import load_model_and_tokenizer, smollm2_path, tiny_model
+    from llamarl.exec.reward_pool import ProcessRewarder, RewarderConfig
+    from llamarl.exec.rewards import (
+        REWARD_FNS,
+        extract_gsm8k_answer,
+        get_reward_fn,
+        gsm8k_reward,
+        last_boxed,
+        math_reward,
+    )
+    from llamarl.exec.trainer import PolicyTrainer, TrainerConfig
+    from llamarl.exec.types import Generator, Rewarder, RolloutBatch, Trainer
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f"llamarl.exec.{_EXPORTS[name]}"), name)
+        globals()[name] = value  # cache: later lookups skip __getattr__
+        return value
+    raise AttributeError(f"module 'llamarl.exec' has no attribute {name!r}")

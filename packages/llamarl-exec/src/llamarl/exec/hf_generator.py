@@ -1,0 +1,229 @@
+"""The `hf` generator: batched sampling with transformers' `generate`, recording behaviour log-probs.
+
+Shape legend:
+    B  sequences (num_prompts x samples_per_prompt, the samples of one prompt contiguous)
+    P  prompt length (left-padded), C  completion length (right-padded), V  vocabulary size
+
+The behaviour log-probs must be those of the distribution the tokens were actually sampled from,
+log softmax(logits / temperature), because AIPO divides by them. So sampling is pinned to plain
+temperature sampling (top-k, top-p, min-p, repetition penalties and the model's own generation defaults
+all switched off), and a logits processor records the log-prob of each sampled token during `generate`,
+holding one B x V float32 step at a time rather than every step's logits (B x C x V).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from llamarl.exec.models import load_model_and_tokenizer
+from llamarl.exec.types import RolloutBatch
+
+
+@dataclass(kw_only=True)
+class HFGeneratorConfig:
+    """Configuration of `HFGenerator`."""
+
+    model: str  # hub id or local transformers folder of the policy
+    dtype: str = "float32"  # weights and compute dtype of the generator ("bfloat16" on GPUs)
+    device: str = "cpu"  # torch device string
+    temperature: float = 1.0  # sampling temperature; the trainer must use the same one
+    seed: int | None = None  # seeds torch's RNG in setup() so sampling is reproducible; None leaves it
+    eos_token_ids: list[int] | None = None  # tokens that end a completion; None: the model's eos ids
+    pad_token_id: int | None = None  # padding id; None: the model's pad id, else the first eos id
+
+
+class _BehaviorLogprobRecorder:
+    """Logits processor that records log softmax(scores / T)[sampled token] at every decoding step.
+
+    `generate` calls it with the scores of step t before the token of step t is drawn; that token shows
+    up as the last column of `input_ids` at step t + 1, so the previous step's log-softmax is kept until
+    then and the last step is resolved by `finish()`. It returns the scores unchanged.
+    """
+
+    def __init__(self, temperature: float) -> None:
+        self.temperature = temperature
+        self.logprobs_BC: list[torch.Tensor] = []
+        self._pending_BV: torch.Tensor | None = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self._pending_BV is not None:
+            self._resolve(input_ids[:, -1])
+        self._pending_BV = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        return scores
+
+    def _resolve(self, token_ids_B: torch.Tensor) -> None:
+        assert self._pending_BV is not None
+        self.logprobs_BC.append(self._pending_BV.gather(-1, token_ids_B[:, None]).squeeze(-1))
+        self._pending_BV = None
+
+    def finish(self, last_token_ids_B: torch.Tensor) -> torch.Tensor:
+        """Resolves the last step; returns the float32 log-probs of every generated position [B, C]."""
+        if self._pending_BV is not None:
+            self._resolve(last_token_ids_B)
+        if not self.logprobs_BC:
+            return torch.zeros(last_token_ids_B.shape[0], 0)
+        return torch.stack(self.logprobs_BC, dim=1)
+
+
+class HFGenerator:
+    """Samples completions with a transformers model; implements `llamarl.exec.types.Generator`.
+
+    Attributes:
+        model: the policy module; weight sync writes into its parameters in place.
+        policy_version: the version of the weights in `model`; the controller sets it after a sync and
+            every generated sequence is stamped with it.
+        last_metrics: timings and counts of the latest `generate` call (generate_s, num_sequences,
+            num_completion_tokens, tokens_per_s).
+    """
+
+    def __init__(self, config: HFGeneratorConfig) -> None:
+        if config.temperature <= 0:
+            raise ValueError(f"temperature must be positive, got {config.temperature}")
+        self.config = config
+        self.policy_version = 0
+        self.model = None
+        self.last_metrics: dict[str, float] = {}
+
+    def setup(self) -> None:
+        """Loads the model onto the device."""
+        cfg = self.config
+        if cfg.seed is not None:
+            torch.manual_seed(cfg.seed)
+        self.model, _ = load_model_and_tokenizer(
+            cfg.model, dtype=cfg.dtype, device=cfg.device, with_tokenizer=False
+        )
+        self.model.eval()
+        self.model.requires_grad_(False)  # never trained here; lets weight sync copy without autograd
+        eos = cfg.eos_token_ids
+        if eos is None:
+            eos = self.model.generation_config.eos_token_id or self.model.config.eos_token_id
+        if eos is None:
+            raise ValueError(f"{cfg.model}: the model defines no eos token; set eos_token_ids")
+        self.eos_token_ids = [eos] if isinstance(eos, int) else list(eos)
+        pad = cfg.pad_token_id
+        if pad is None:
+            pad = self.model.generation_config.pad_token_id
+        if pad is None:
+            pad = self.model.config.pad_token_id
+        self.pad_token_id = self.eos_token_ids[0] if pad is None else int(pad)
+
+    def close(self) -> None:
+        """Drops the model (and its device memory)."""
+        self.model = None
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        samples_per_prompt: int,
+        max_new_tokens: int,
+        greedy: bool = False,
+    ) -> RolloutBatch:
+        """Samples `samples_per_prompt` completions of every prompt in one batched `generate` call.
+
+        Args:
+            prompts: token ids of each prompt (chat template already applied), no padding.
+            samples_per_prompt: completions per prompt; they are contiguous in the batch.
+            max_new_tokens: completion length limit (a completion that hits it has no EOS).
+            greedy: argmax decoding for evaluation; the log-probs are then those of the argmax tokens
+                under softmax(logits / temperature).
+
+        Returns:
+            RolloutBatch with rewards zeros and policy_version_B = `self.policy_version`.
+        """
+        if self.model is None:
+            raise RuntimeError("HFGenerator.generate called before setup()")
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        from transformers import GenerationConfig, LogitsProcessorList
+
+        start = time.perf_counter()
+        device = self.model.device
+        prompt_ids_BP, prompt_mask_BP = _left_pad(
+            [p for p in prompts for _ in range(samples_per_prompt)], self.pad_token_id
+        )
+        recorder = _BehaviorLogprobRecorder(self.config.temperature)
+        # Every sampling option is set explicitly: values left unset would be filled from the model's
+        # generation_config.json (e.g. top_k=50, top_p=0.9) and the tokens would no longer come from
+        # softmax(logits / T), which the behaviour log-probs describe.
+        generation_config = GenerationConfig(
+            do_sample=not greedy,
+            temperature=1.0 if greedy else self.config.temperature,  # unused (and warned about) when greedy
+            top_k=0,
+            top_p=1.0,
+            min_p=None,
+            typical_p=1.0,
+            repetition_penalty=1.0,
+            no_repeat_ngram_size=0,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=0,
+            num_beams=1,
+            eos_token_id=self.eos_token_ids,
+            pad_token_id=self.pad_token_id,
+            use_cache=True,
+            return_dict_in_generate=False,
+        )
+        sequences = self.model.generate(
+            input_ids=prompt_ids_BP.to(device),
+            attention_mask=prompt_mask_BP.to(device),
+            generation_config=generation_config,
+            logits_processor=LogitsProcessorList([recorder]),
+        )
+        completion_ids_BC = sequences[:, prompt_ids_BP.shape[1] :].cpu()
+        behavior_logprobs_BC = recorder.finish(sequences[:, -1]).cpu()
+        completion_mask_BC = _completion_mask(completion_ids_BC, self.eos_token_ids)
+        # Columns past the longest completion hold only padding (possible when max_new_tokens is hit
+        # by none): drop them so C is the longest completion.
+        length = int(completion_mask_BC.sum(1).max()) if completion_mask_BC.numel() else 0
+        completion_ids_BC = completion_ids_BC[:, :length]
+        completion_mask_BC = completion_mask_BC[:, :length]
+        completion_ids_BC = completion_ids_BC.masked_fill(completion_mask_BC == 0, self.pad_token_id)
+        behavior_logprobs_BC = (behavior_logprobs_BC[:, :length] * completion_mask_BC).float()
+
+        num_sequences = prompt_ids_BP.shape[0]
+        elapsed = time.perf_counter() - start
+        num_tokens = int(completion_mask_BC.sum())
+        self.last_metrics = {
+            "generate_s": elapsed,
+            "num_sequences": float(num_sequences),
+            "num_completion_tokens": float(num_tokens),
+            "tokens_per_s": num_tokens / elapsed if elapsed > 0 else float("nan"),
+        }
+        return RolloutBatch(
+            prompt_ids_BP=prompt_ids_BP,
+            prompt_mask_BP=prompt_mask_BP,
+            completion_ids_BC=completion_ids_BC.long(),
+            completion_mask_BC=completion_mask_BC,
+            behavior_logprobs_BC=behavior_logprobs_BC,
+            rewards_B=torch.zeros(num_sequences, dtype=torch.float32),
+            policy_version_B=torch.full((num_sequences,), self.policy_version, dtype=torch.int64),
+            group_size=samples_per_prompt,
+        )
+
+
+def _left_pad(sequences: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pads token lists to the longest; returns (ids_BP, mask_BP), both int64."""
+    length = max(len(s) for s in sequences)
+    ids_BP = torch.full((len(sequences), length), pad_token_id, dtype=torch.int64)
+    mask_BP = torch.zeros((len(sequences), length), dtype=torch.int64)
+    for i, s in enumerate(sequences):
+        if s:
+            ids_BP[i, length - len(s) :] = torch.tensor(s, dtype=torch.int64)
+            mask_BP[i, length - len(s) :] = 1
+    return ids_BP, mask_BP
+
+
+def _completion_mask(completion_ids_BC: torch.Tensor, eos_token_ids: list[int]) -> torch.Tensor:
+    """1 up to and including the first EOS of each row (all ones when there is none), int64 [B, C].
+
+    The mask comes from the EOS position, not from `!= pad`: many models (SmolLM2 among them) pad with
+    their EOS token.
+    """
+    is_eos_BC = torch.isin(completion_ids_BC, torch.tensor(eos_token_ids, device=completion_ids_BC.device))
+    # Number of EOS tokens strictly before each position: 0 means the position is still in the completion.
+    eos_before_BC = torch.cumsum(is_eos_BC.long(), dim=1) - is_eos_BC.long()
+    return (eos_before_BC == 0).long()

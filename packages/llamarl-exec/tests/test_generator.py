@@ -1,0 +1,117 @@
+"""HFGenerator on a tiny random Llama: shapes, masks, behaviour log-probs, greedy determinism."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llamarl.exec import HFGenerator, HFGeneratorConfig, PolicyTrainer, TrainerConfig
+from llamarl.exec.testing import TINY_EOS_TOKEN_ID as EOS_TOKEN_ID
+from llamarl.exec.testing import TINY_PAD_TOKEN_ID as PAD_TOKEN_ID
+from llamarl.exec.testing import TINY_VOCAB_SIZE as VOCAB_SIZE
+
+# Several stop tokens so that some completions of the random model end early and others hit the limit.
+STOP_IDS = [EOS_TOKEN_ID, 50, 51]
+PROMPTS = [[1, 5, 9, 13, 17], [1, 7], [1, 3, 4, 30, 31, 32, 33, 8]]
+
+
+@pytest.fixture(scope="module")
+def generator(tiny_model_dir):
+    gen = HFGenerator(
+        HFGeneratorConfig(model=str(tiny_model_dir), temperature=0.7, seed=0, eos_token_ids=STOP_IDS)
+    )
+    gen.setup()
+    yield gen
+    gen.close()
+
+
+def test_rollout_batch_shapes_and_masks(generator):
+    generator.policy_version = 7
+    batch = generator.generate(PROMPTS, samples_per_prompt=3, max_new_tokens=12)
+    num_sequences = len(PROMPTS) * 3
+    assert batch.group_size == 3
+    assert batch.prompt_ids_BP.shape == (num_sequences, max(map(len, PROMPTS)))
+    for i, prompt in enumerate(PROMPTS):
+        for row in range(3 * i, 3 * i + 3):  # samples of one prompt are contiguous, left-padded
+            assert batch.prompt_ids_BP[row, -len(prompt) :].tolist() == prompt
+            assert batch.prompt_mask_BP[row].sum() == len(prompt)
+            assert batch.prompt_mask_BP[row, -len(prompt) :].all()
+    num_columns = batch.completion_ids_BC.shape[1]
+    assert batch.completion_ids_BC.shape == batch.completion_mask_BC.shape == batch.behavior_logprobs_BC.shape
+    assert 0 < num_columns <= 12
+    lengths = batch.completion_mask_BC.sum(1)
+    assert lengths.max() == num_columns
+    ended, running = 0, 0
+    for row in range(num_sequences):
+        length = int(lengths[row])
+        mask = batch.completion_mask_BC[row]
+        assert mask[:length].all() and not mask[length:].any()  # ones, then zeros
+        ids = batch.completion_ids_BC[row]
+        if length < 12:  # stopped: the last real token is a stop token, padding follows
+            ended += 1
+            assert int(ids[length - 1]) in STOP_IDS
+            assert (ids[length:] == PAD_TOKEN_ID).all()
+        else:
+            running += 1
+        assert not any(int(t) in STOP_IDS for t in ids[: length - 1])  # stops at the first one
+    assert ended and running, "test data should exercise both stopped and length-limited completions"
+    logprobs = batch.behavior_logprobs_BC
+    assert logprobs.dtype == torch.float32
+    assert (logprobs[batch.completion_mask_BC == 1] < 0).all()
+    assert (logprobs[batch.completion_mask_BC == 0] == 0).all()
+    assert batch.rewards_B.tolist() == [0.0] * num_sequences
+    assert batch.policy_version_B.tolist() == [7] * num_sequences
+    assert batch.num_completion_tokens == int(lengths.sum())
+    assert generator.last_metrics["num_completion_tokens"] == batch.num_completion_tokens
+    assert generator.last_metrics["generate_s"] > 0
+
+
+def test_behavior_logprobs_match_a_separate_forward_pass(generator, tiny_model_dir):
+    """The generator's log mu equals the trainer's log pi for the same weights: the AIPO ratio is 1."""
+    batch = generator.generate(PROMPTS, samples_per_prompt=2, max_new_tokens=10)
+    mask = batch.completion_mask_BC.bool()
+
+    # 1. A plain forward pass of each sequence alone, without padding.
+    model = generator.model
+    for row in range(batch.num_sequences):
+        prompt = batch.prompt_ids_BP[row][batch.prompt_mask_BP[row].bool()]
+        completion = batch.completion_ids_BC[row][mask[row]]
+        with torch.no_grad():
+            logits = model(torch.cat([prompt, completion])[None]).logits[0].float()
+        logprobs = torch.log_softmax(logits[len(prompt) - 1 : -1] / 0.7, dim=-1)
+        expected = logprobs.gather(-1, completion[:, None]).squeeze(-1)
+        torch.testing.assert_close(batch.behavior_logprobs_BC[row][mask[row]], expected, atol=1e-5, rtol=1e-5)
+
+    # 2. The trainer's padded, micro-batched forward pass.
+    trainer = PolicyTrainer(TrainerConfig(model=str(tiny_model_dir), temperature=0.7, micro_batch_size=4))
+    trainer.setup()
+    trainer_logprobs = trainer.compute_logprobs(batch)
+    torch.testing.assert_close(trainer_logprobs, batch.behavior_logprobs_BC, atol=1e-5, rtol=1e-5)
+
+
+def test_greedy_is_deterministic(generator):
+    first = generator.generate(PROMPTS, samples_per_prompt=2, max_new_tokens=8, greedy=True)
+    second = generator.generate(PROMPTS, samples_per_prompt=2, max_new_tokens=8, greedy=True)
+    assert torch.equal(first.completion_ids_BC, second.completion_ids_BC)
+    assert torch.equal(first.completion_mask_BC, second.completion_mask_BC)
+    ids = first.completion_ids_BC
+    assert torch.equal(ids[0::2], ids[1::2])  # both samples of a prompt are the argmax path
+    # Greedy picks the most likely token, so its log-prob is the largest of each step: above log(1/V).
+    valid = first.completion_mask_BC.bool()
+    assert (first.behavior_logprobs_BC[valid] > -torch.log(torch.tensor(VOCAB_SIZE / 0.7))).all()
+
+
+def test_sampling_ignores_the_model_generation_defaults(tiny_model_dir, tmp_path):
+    """A top_k=1 in the model's generation_config would make sampling greedy; it must be overridden."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    model.generation_config.top_k = 1
+    model.generation_config.top_p = 0.5
+    model.generation_config.do_sample = True
+    model.save_pretrained(tmp_path)
+    gen = HFGenerator(HFGeneratorConfig(model=str(tmp_path), seed=1, eos_token_ids=[EOS_TOKEN_ID]))
+    gen.setup()
+    batch = gen.generate([[1, 5, 9]], samples_per_prompt=6, max_new_tokens=6)
+    distinct = {tuple(row.tolist()) for row in batch.completion_ids_BC}
+    assert len(distinct) > 1
