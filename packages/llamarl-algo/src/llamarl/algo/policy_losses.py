@@ -41,7 +41,8 @@ from llamarl.algo.masking import (
 
 LOG_RATIO_LIMIT = 20.0
 """|log ratio| is clamped to this before exp: exp(20) ~ 5e8 keeps the ratio finite in float32 even for
-log-probs of -1e4; a token that far off-policy is truncated or clipped anyway."""
+log-probs of -1e4. A token that far off-policy is truncated or clipped anyway; where a clipped loss would
+still differentiate its ratio (PPO with A < 0), the clamp stops that gradient, which is the safe side."""
 
 
 def _log_ratio(logprobs_BT: Tensor, behavior_logprobs_BT: Tensor, mask_BT: Tensor) -> Tensor:
@@ -96,6 +97,8 @@ def aipo_loss(
         (loss, metrics) with metrics ratio_mean, ratio_max, truncated_fraction, mismatch_kl.
     """
     del num_sequences
+    if rho <= 0:
+        raise ValueError(f"rho must be positive, got {rho}")
     ratio_BT = _log_ratio(logprobs_BT.detach(), behavior_logprobs_BT, mask_BT).exp()
     weight_BT = ratio_BT.clamp(max=rho)
     advantages_BT = expand_to_tokens(advantages, logprobs_BT).detach()
@@ -333,10 +336,12 @@ def gspo_loss(
     loss = -sequence_mean(objective_BT, mask_BT).sum() / num_sequences
     has_tokens_B = mask_BT.bool().any(-1)
     seq_ratio_B = log_seq_ratio_B.detach().exp()
-    metrics = _ratio_metrics(seq_ratio_B, has_tokens_B, torch.zeros_like(has_tokens_B))
-    metrics["clipped_fraction"] = masked_mean(clipped_BT.to(seq_ratio_B.dtype), mask_BT)
-    del metrics["truncated_fraction"]
-    metrics["mismatch_kl"] = k3_mismatch_kl(logprobs_BT, behavior_logprobs_BT, mask_BT)
+    metrics = {
+        "ratio_mean": masked_mean(seq_ratio_B, has_tokens_B),
+        "ratio_max": masked_max(seq_ratio_B, has_tokens_B),
+        "clipped_fraction": masked_mean(clipped_BT.to(seq_ratio_B.dtype), mask_BT),
+        "mismatch_kl": k3_mismatch_kl(logprobs_BT, behavior_logprobs_BT, mask_BT),
+    }
     return loss, metrics
 
 
