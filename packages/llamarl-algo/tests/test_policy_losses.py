@@ -77,6 +77,25 @@ def test_micro_batches_sum_to_full_batch(name, mode, token_advantages, make_batc
 
 
 @pytest.mark.parametrize(("name", "mode"), LOSS_VARIANTS)
+def test_micro_batches_trimmed_to_their_own_length_sum_to_full_batch(name, mode, make_batch):
+    # A trainer cuts each micro-batch's all-padding columns: T differs between micro-batches.
+    logprobs_BT, behavior_BT, advantages_B, mask_BT = make_batch(batch=6, spread=0.3)
+    counts = _counts(mask_BT)
+    full, _ = _call(name, mode, logprobs_BT, behavior_BT, advantages_B, mask_BT, **counts)
+    total = 0
+    for rows in (slice(0, 2), slice(2, 3), slice(3, 6)):
+        length = int(mask_BT[rows].sum(-1).max())
+        cut = (rows, slice(0, length))
+        total = (
+            total
+            + _call(
+                name, mode, logprobs_BT[cut], behavior_BT[cut], advantages_B[rows], mask_BT[cut], **counts
+            )[0]
+        )
+    torch.testing.assert_close(total, full)
+
+
+@pytest.mark.parametrize(("name", "mode"), LOSS_VARIANTS)
 def test_extreme_logprobs_stay_finite(name, mode):
     # Log-probs of -1e4 against 0 and the reverse: ratios of exp(+-1e4), in float32 as a trainer has.
     logprobs_BT = torch.tensor([[-1e4, 0.0, -1e4], [0.0, -1e4, -3.0]], requires_grad=True)

@@ -292,15 +292,21 @@ def dr_grpo_loss(
 
     loss = -sum_i sum_t min(r_it A_i, clip(r_it, 1 - eps, 1 + eps) A_i) / (num_sequences * L)
 
-    L is a constant: `max_response_length` (the generation budget), or T, the padded length of the
-    tensors, when None; micro-batches must then share the same T for their losses to add up.
+    L is a constant: `max_response_length` (the generation budget, the paper's choice) when given.
+    When None, L is the global batch's mean response length, num_valid_tokens / num_sequences: still
+    one constant for every sequence of the step (no per-sequence length bias), robust to micro-batches
+    trimmed to different padded lengths; the loss is then the token mean over the global batch.
     """
-    del num_valid_tokens
     objective_BT, metrics = _token_clipped_terms(
         logprobs_BT, behavior_logprobs_BT, advantages, mask_BT, clip_eps, clip_eps
     )
-    length = max_response_length if max_response_length is not None else logprobs_BT.shape[-1]
-    return -masked_sum(objective_BT, mask_BT) / (num_sequences * length), metrics
+    if max_response_length is None:
+        if num_valid_tokens is None:
+            raise ValueError("dr_grpo needs max_response_length or num_valid_tokens")
+        denominator = num_valid_tokens
+    else:
+        denominator = num_sequences * max_response_length
+    return -masked_sum(objective_BT, mask_BT) / denominator, metrics
 
 
 def gspo_loss(
