@@ -31,7 +31,27 @@ _EXPORTS = {
     "tiny_model": "models",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "REWARD_FNS",
+    "Generator",
+    "HFGenerator",
+    "HFGeneratorConfig",
+    "PolicyTrainer",
+    "ProcessRewarder",
+    "Rewarder",
+    "RewarderConfig",
+    "RolloutBatch",
+    "Trainer",
+    "TrainerConfig",
+    "extract_gsm8k_answer",
+    "get_reward_fn",
+    "gsm8k_reward",
+    "last_boxed",
+    "load_model_and_tokenizer",
+    "math_reward",
+    "smollm2_path",
+    "tiny_model",
+]
 
 if TYPE_CHECKING:
     from llamarl.exec.hf_generator import HFGenerator, HFGeneratorConfig

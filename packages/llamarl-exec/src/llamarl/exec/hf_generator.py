@@ -114,7 +114,9 @@ class HFGenerator:
         """Drops the model (and its device memory)."""
         self.model = None
 
-    @torch.inference_mode()
+    # no_grad, not inference_mode: the batch's tensors may go straight into a trainer in the same
+    # process, and inference tensors cannot be saved for backward there.
+    @torch.no_grad()
     def generate(
         self,
         prompts: list[list[int]],

@@ -10,6 +10,7 @@ scores its sample 0 and is replaced; an exception in the reward function scores 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
 import time
@@ -71,10 +72,8 @@ class _Worker:
         self.conn.close()
 
     def stop(self) -> None:
-        try:
+        with contextlib.suppress(BrokenPipeError, OSError):  # already dead: nothing to tell it
             self.conn.send(None)
-        except (BrokenPipeError, OSError):
-            pass
         self.process.join(timeout=2)
         if self.process.is_alive():
             self.process.kill()
