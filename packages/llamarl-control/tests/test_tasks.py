@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from llamarl.control.tasks import GSM8K, MATH, DataError, last_boxed, load_examples
+from llamarl.control.tasks import GSM8K, MATH, DataError, load_examples
 
 SHARED_DATA = Path(__file__).resolve().parents[3].parent / "shared" / "data"
 
@@ -52,9 +52,3 @@ def test_malformed_rows_name_file_line_and_problem(tmp_path, line, message):
 def test_missing_file_says_what_is_expected(tmp_path):
     with pytest.raises(DataError, match=r"train\.jsonl and test\.jsonl"):
         load_examples(GSM8K, str(tmp_path), "train")
-
-
-def test_last_boxed_balances_braces():
-    assert last_boxed("x \\boxed{\\frac{a}{b}} y") == "\\frac{a}{b}"
-    assert last_boxed("no box") is None
-    assert last_boxed("\\boxed{unclosed") is None

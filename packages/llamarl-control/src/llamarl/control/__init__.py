@@ -1,8 +1,26 @@
-"""llamarl.control: the single controller, the channels between executors, launch and metrics."""
+"""llamarl.control: the single controller, the channels between executors, launch and metrics.
 
-from llamarl.control.config import ConfigError, RunConfig
-from llamarl.control.launch import RunFailed, launch
-from llamarl.control.tasks import GSM8K, MATH, TASKS, DataError, Example, Task, load_examples
+Public names load lazily (PEP 562), so reading a dataset or a config does not start torch.distributed.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+_EXPORTS = {
+    "ConfigError": "config",
+    "RunConfig": "config",
+    "RunFailed": "launch",
+    "launch": "launch",
+    "GSM8K": "tasks",
+    "MATH": "tasks",
+    "TASKS": "tasks",
+    "DataError": "tasks",
+    "Example": "tasks",
+    "Task": "tasks",
+    "load_examples": "tasks",
+}
 
 __all__ = [
     "GSM8K",
@@ -17,3 +35,16 @@ __all__ = [
     "launch",
     "load_examples",
 ]
+
+if TYPE_CHECKING:
+    from llamarl.control.config import ConfigError, RunConfig
+    from llamarl.control.launch import RunFailed, launch
+    from llamarl.control.tasks import GSM8K, MATH, TASKS, DataError, Example, Task, load_examples
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f"llamarl.control.{_EXPORTS[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'llamarl.control' has no attribute {name!r}")

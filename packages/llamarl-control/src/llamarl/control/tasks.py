@@ -11,6 +11,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from llamarl.exec.rewards import last_boxed
+
 
 class DataError(ValueError):
     """A dataset that cannot be used as given; the message says what to fix."""
@@ -85,23 +87,6 @@ MATH = Task(
 )
 
 TASKS = {task.name: task for task in (GSM8K, MATH)}
-
-
-def last_boxed(text: str) -> str | None:
-    """The content of the last \\boxed{...} (or \\fbox{...}) in `text`, braces balanced, or None."""
-    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
-    if start < 0:
-        return None
-    i = text.index("{", start) + 1
-    depth = 1
-    for j in range(i, len(text)):
-        if text[j] == "{":
-            depth += 1
-        elif text[j] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[i:j].strip() or None
-    return None
 
 
 def load_examples(task: Task, data: str | None, split: str) -> list[Example]:
