@@ -1,7 +1,13 @@
-"""Shared small batches for the algo tests."""
+"""Shared small batches for the algo tests, and their helper module on sys.path."""
+
+import pathlib
+import sys
 
 import pytest
 import torch
+
+# Tests run with --import-mode=importlib: make `llamarl_algo_testing` (next to this file) importable.
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
 
 def _make_batch(seed: int = 0, batch: int = 4, tokens: int = 5, spread: float = 0.15):

@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from llamarl_algo_testing import assert_close
 
 from llamarl.algo import (
     ADVANTAGE_NAMES,
@@ -18,18 +19,18 @@ from llamarl.algo import (
 def test_group_mean_hand_computed():
     rewards_B = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0])
     advantages_B = group_advantages(rewards_B, 3)
-    torch.testing.assert_close(advantages_B, torch.tensor([2 / 3, -1 / 3, -1 / 3, 0.0, 0.0, 0.0]))
+    assert_close(advantages_B, torch.tensor([2 / 3, -1 / 3, -1 / 3, 0.0, 0.0, 0.0]))
 
 
 def test_group_mean_std_hand_computed():
     rewards_B = torch.tensor([1.0, 0.0, 3.0, 3.0])
     advantages_B = group_advantages(rewards_B, 2, normalize_std=True, eps=0.0 + 1e-12)
-    torch.testing.assert_close(advantages_B, torch.tensor([1.0, -1.0, 0.0, 0.0]))
+    assert_close(advantages_B, torch.tensor([1.0, -1.0, 0.0, 0.0]))
 
 
 def test_registry_defaults_and_errors():
     rewards_B = torch.tensor([1.0, 0.0])
-    torch.testing.assert_close(get_advantage_estimator()(rewards_B, 2), torch.tensor([0.5, -0.5]))
+    assert_close(get_advantage_estimator()(rewards_B, 2), torch.tensor([0.5, -0.5]))
     with pytest.raises(ValueError, match="group_mean"):
         get_advantage_estimator("nope")
     with pytest.raises(ValueError, match="not a whole number"):
@@ -40,7 +41,7 @@ def test_rloo_hand_computed():
     rewards_B = torch.tensor([1.0, 0.0, 0.0, 2.0, 2.0, 5.0])
     advantages_B = rloo_advantages(rewards_B, 3)
     # r_i minus the mean of the two others.
-    torch.testing.assert_close(advantages_B, torch.tensor([1.0, -0.5, -0.5, -1.5, -1.5, 3.0]))
+    assert_close(advantages_B, torch.tensor([1.0, -0.5, -0.5, -1.5, -1.5, 3.0]))
     with pytest.raises(ValueError, match="at least 2"):
         rloo_advantages(rewards_B, 1)
 
@@ -50,7 +51,7 @@ def test_reinforce_pp_baseline_hand_computed():
     advantages_B = reinforce_pp_baseline_advantages(rewards_B, 2, eps=0.0)
     # Group-centred: [0.5, -0.5, 0, 0]; batch mean 0, batch std sqrt(0.125).
     expected = torch.tensor([0.5, -0.5, 0.0, 0.0], dtype=torch.float64) / math.sqrt(0.125)
-    torch.testing.assert_close(advantages_B, expected)
+    assert_close(advantages_B, expected)
 
 
 def test_every_registered_estimator_runs_by_name():
@@ -60,10 +61,10 @@ def test_every_registered_estimator_runs_by_name():
         advantages_B = get_advantage_estimator(name)(rewards_B, 3)
         assert advantages_B.shape == (6,) and torch.isfinite(advantages_B).all()
         # Every estimator here is zero-mean within a group of equal rewards.
-        torch.testing.assert_close(get_advantage_estimator(name)(torch.ones(6), 3), torch.zeros(6))
+        assert_close(get_advantage_estimator(name)(torch.ones(6), 3), torch.zeros(6))
     with pytest.raises(ValueError, match="eps"):
         get_advantage_estimator("rloo", eps=1.0)
-    torch.testing.assert_close(
+    assert_close(
         get_advantage_estimator("group_mean_std", eps=1.0)(rewards_B[:2], 2), torch.tensor([1 / 3, -1 / 3])
     )
 
@@ -80,18 +81,16 @@ def test_gae_hand_computed():
     a2 = d2
     a1 = d1 + gamma * lam * a2
     a0 = d0 + gamma * lam * a1
-    torch.testing.assert_close(advantages_BT, torch.tensor([[a0, a1, a2, 0.0]], dtype=torch.float64))
-    torch.testing.assert_close(
-        returns_BT, torch.tensor([[a0 + 0.5, a1 + 0.4, a2 + 0.6, 0.0]], dtype=torch.float64)
-    )
+    assert_close(advantages_BT, torch.tensor([[a0, a1, a2, 0.0]], dtype=torch.float64))
+    assert_close(returns_BT, torch.tensor([[a0 + 0.5, a1 + 0.4, a2 + 0.6, 0.0]], dtype=torch.float64))
 
 
 def test_gae_with_lambda_one_and_gamma_one_is_return_minus_value():
     rewards_BT = torch.tensor([[0.0, 0.5, 0.0, 1.0]])
     values_BT = torch.tensor([[0.1, 0.2, 0.3, 0.4]])
     advantages_BT, returns_BT = gae_advantages(rewards_BT, values_BT, torch.ones(1, 4), gamma=1.0, lam=1.0)
-    torch.testing.assert_close(returns_BT, torch.tensor([[1.5, 1.5, 1.0, 1.0]]))
-    torch.testing.assert_close(advantages_BT, returns_BT - values_BT)
+    assert_close(returns_BT, torch.tensor([[1.5, 1.5, 1.0, 1.0]]))
+    assert_close(advantages_BT, returns_BT - values_BT)
 
 
 def test_gae_skips_masked_tokens_in_the_middle():
@@ -102,5 +101,5 @@ def test_gae_skips_masked_tokens_in_the_middle():
     without, _ = gae_advantages(
         rewards_BT[:, [0, 2]], values_BT[:, [0, 2]], torch.ones(1, 2), gamma=0.9, lam=0.8
     )
-    torch.testing.assert_close(with_hole[:, [0, 2]], without)
+    assert_close(with_hole[:, [0, 2]], without)
     assert with_hole[0, 1] == 0

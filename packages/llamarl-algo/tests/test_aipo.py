@@ -3,6 +3,7 @@
 import math
 
 import torch
+from llamarl_algo_testing import assert_close
 
 from llamarl.algo import aipo_loss, get_policy_loss
 
@@ -26,7 +27,7 @@ def test_aipo_hand_computed_value_and_gradient():
     advs = [0.5, 0.5, 0.5, -2.0, -2.0]
     lps = [-1.0, -2.0, -0.5, -0.3, -1.5]
     expected = -sum(w * a * lp for w, a, lp in zip(weights, advs, lps, strict=True)) / 5
-    torch.testing.assert_close(loss, torch.tensor(expected, dtype=torch.float64))
+    assert_close(loss, torch.tensor(expected, dtype=torch.float64))
     loss.backward()
     expected_grad = torch.tensor(
         [
@@ -35,13 +36,13 @@ def test_aipo_hand_computed_value_and_gradient():
         ],
         dtype=torch.float64,
     )
-    torch.testing.assert_close(logprobs_BT.grad, expected_grad)
+    assert_close(logprobs_BT.grad, expected_grad)
     ratios = [1.0, math.e, math.exp(-0.3), 1.0, math.exp(-0.5)]
-    torch.testing.assert_close(metrics["ratio_mean"], torch.tensor(sum(ratios) / 5, dtype=torch.float64))
-    torch.testing.assert_close(metrics["ratio_max"], torch.tensor(math.e, dtype=torch.float64))
-    torch.testing.assert_close(metrics["truncated_fraction"], torch.tensor(0.2, dtype=torch.float64))
+    assert_close(metrics["ratio_mean"], torch.tensor(sum(ratios) / 5, dtype=torch.float64))
+    assert_close(metrics["ratio_max"], torch.tensor(math.e, dtype=torch.float64))
+    assert_close(metrics["truncated_fraction"], torch.tensor(0.2, dtype=torch.float64))
     k3 = sum(r - 1 - math.log(r) for r in ratios) / 5
-    torch.testing.assert_close(metrics["mismatch_kl"], torch.tensor(k3, dtype=torch.float64))
+    assert_close(metrics["mismatch_kl"], torch.tensor(k3, dtype=torch.float64))
     assert all(not m.requires_grad and m.dim() == 0 for m in metrics.values())
 
 
@@ -50,4 +51,4 @@ def test_aipo_registry_default():
     loss_fn = get_policy_loss("aipo", rho=2.0)
     loss, _ = loss_fn(logprobs_BT, behavior_BT, advantages_B, mask_BT, num_valid_tokens=5, num_sequences=2)
     expected, _ = aipo_loss(logprobs_BT, behavior_BT, advantages_B, mask_BT, rho=2.0, num_valid_tokens=5)
-    torch.testing.assert_close(loss, expected)
+    assert_close(loss, expected)

@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from llamarl_algo_testing import assert_close
 
 from llamarl.algo import KL_ESTIMATORS, clipped_value_loss, kl_k1, kl_k2, kl_k3, kl_penalty_loss
 
@@ -12,10 +13,10 @@ def test_kl_estimators_hand_computed():
     logprobs_BT = torch.tensor([[-1.0, -2.0]], dtype=torch.float64)
     ref_BT = torch.tensor([[-1.5, -1.0]], dtype=torch.float64)
     # log r = ref - logp = [-0.5, 1.0]
-    torch.testing.assert_close(kl_k1(logprobs_BT, ref_BT), torch.tensor([[0.5, -1.0]], dtype=torch.float64))
-    torch.testing.assert_close(kl_k2(logprobs_BT, ref_BT), torch.tensor([[0.125, 0.5]], dtype=torch.float64))
+    assert_close(kl_k1(logprobs_BT, ref_BT), torch.tensor([[0.5, -1.0]], dtype=torch.float64))
+    assert_close(kl_k2(logprobs_BT, ref_BT), torch.tensor([[0.125, 0.5]], dtype=torch.float64))
     k3 = [math.exp(-0.5) - 1 + 0.5, math.e - 1 - 1.0]
-    torch.testing.assert_close(kl_k3(logprobs_BT, ref_BT), torch.tensor([k3], dtype=torch.float64))
+    assert_close(kl_k3(logprobs_BT, ref_BT), torch.tensor([k3], dtype=torch.float64))
 
 
 def test_kl_estimators_match_the_exact_kl_in_expectation():
@@ -26,10 +27,10 @@ def test_kl_estimators_match_the_exact_kl_in_expectation():
     exact = (pi * (pi / ref).log()).sum()
     tokens = torch.multinomial(pi, 200_000, replacement=True, generator=gen)
     logprobs, ref_logprobs = pi.log()[tokens][None], ref.log()[tokens][None]
-    torch.testing.assert_close(kl_k1(logprobs, ref_logprobs).mean(), exact, atol=2e-3, rtol=0)
-    torch.testing.assert_close(kl_k3(logprobs, ref_logprobs).mean(), exact, atol=2e-3, rtol=0)
+    assert_close(kl_k1(logprobs, ref_logprobs).mean(), exact, atol=2e-3, rtol=0)
+    assert_close(kl_k3(logprobs, ref_logprobs).mean(), exact, atol=2e-3, rtol=0)
     # k2 is biased but close for nearby distributions.
-    torch.testing.assert_close(kl_k2(logprobs, ref_logprobs).mean(), exact, atol=5e-3, rtol=0)
+    assert_close(kl_k2(logprobs, ref_logprobs).mean(), exact, atol=5e-3, rtol=0)
 
 
 @pytest.mark.parametrize("estimator", list(KL_ESTIMATORS))
@@ -47,13 +48,25 @@ def test_kl_penalty_gradient_masking_extremes_and_micro_batches(estimator):
         kl_penalty_loss(logprobs_BT[s], ref_BT[s], mask_BT[s], estimator=estimator, num_valid_tokens=6)[0]
         for s in (slice(0, 2), slice(2, 4))
     )
-    torch.testing.assert_close(parts, full)
-    torch.testing.assert_close(metrics[f"kl_{estimator}"], full)
+    assert_close(parts, full)
+    assert_close(metrics[f"kl_{estimator}"], full)
     # Closed-form gradients per valid token: k1: 1, k2: logp - ref, k3: 1 - ref/pi.
     (grad,) = torch.autograd.grad(full, logprobs_BT)
     diff_BT = (logprobs_BT - ref_BT).detach()
     closed = {"k1": torch.ones_like(diff_BT), "k2": diff_BT, "k3": 1 - torch.exp(-diff_BT)}[estimator]
-    torch.testing.assert_close(grad, closed * mask_BT / 6)
+    assert_close(grad, closed * mask_BT / 6)
+    padding_BT = ~mask_BT.bool()
+    garbage_BT = torch.where(padding_BT, -torch.inf, logprobs_BT.detach()).requires_grad_()
+    masked, _ = kl_penalty_loss(
+        garbage_BT,
+        torch.where(padding_BT, torch.nan, ref_BT),
+        mask_BT,
+        estimator=estimator,
+        num_valid_tokens=6,
+    )
+    assert_close(masked, full.detach())
+    (masked_grad,) = torch.autograd.grad(masked, garbage_BT)
+    assert_close(masked_grad, grad)
     extreme, _ = kl_penalty_loss(
         torch.tensor([[-1e4, 0.0]], requires_grad=True),
         torch.tensor([[0.0, -1e4]]),
@@ -76,10 +89,10 @@ def test_clipped_value_loss_hand_computed_and_gradient():
     )
     # token 0: V=1 moved 0.5 from 0.5 -> clipped V=0.7; errors 1.0 vs 0.49 -> max 1.0 (unclipped)
     # token 1: V=0 == old; error 1.0 both.
-    torch.testing.assert_close(loss, torch.tensor(0.5 * (1.0 + 1.0) / 2, dtype=torch.float64))
+    assert_close(loss, torch.tensor(0.5 * (1.0 + 1.0) / 2, dtype=torch.float64))
     (grad,) = torch.autograd.grad(loss, values_BT)
-    torch.testing.assert_close(grad, torch.tensor([[0.5, -0.5, 0.0]], dtype=torch.float64))
-    torch.testing.assert_close(metrics["value_clipped_fraction"], torch.tensor(0.0, dtype=torch.float64))
+    assert_close(grad, torch.tensor([[0.5, -0.5, 0.0]], dtype=torch.float64))
+    assert_close(metrics["value_clipped_fraction"], torch.tensor(0.0, dtype=torch.float64))
 
 
 def test_clipped_value_loss_stops_the_gradient_when_clipped():
@@ -90,11 +103,30 @@ def test_clipped_value_loss_stops_the_gradient_when_clipped():
     loss, metrics = clipped_value_loss(
         values_BT, old_BT, returns_BT, torch.ones(1, 1), clip_eps=0.2, num_valid_tokens=1
     )
-    torch.testing.assert_close(loss, torch.tensor(0.5 * 1.8**2, dtype=torch.float64))
+    assert_close(loss, torch.tensor(0.5 * 1.8**2, dtype=torch.float64))
     (grad,) = torch.autograd.grad(loss, values_BT)
     assert grad.item() == 0.0
-    torch.testing.assert_close(metrics["value_clipped_fraction"], torch.tensor(1.0, dtype=torch.float64))
+    assert_close(metrics["value_clipped_fraction"], torch.tensor(1.0, dtype=torch.float64))
     assert torch.autograd.gradcheck(
         lambda v: clipped_value_loss(v, old_BT * 0.5, returns_BT, torch.ones(1, 1), num_valid_tokens=1)[0],
         (values_BT,),
     )
+
+
+def test_clipped_value_loss_micro_batches_and_masking():
+    gen = torch.Generator().manual_seed(2)
+    values_BT = torch.randn(4, 3, generator=gen, dtype=torch.float64, requires_grad=True)
+    old_BT = values_BT.detach() + 0.3 * torch.randn(4, 3, generator=gen, dtype=torch.float64)
+    returns_BT = torch.randn(4, 3, generator=gen, dtype=torch.float64)
+    mask_BT = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0], [0, 0, 0]])
+    full, _ = clipped_value_loss(values_BT, old_BT, returns_BT, mask_BT, num_valid_tokens=6)
+    parts = sum(
+        clipped_value_loss(values_BT[s], old_BT[s], returns_BT[s], mask_BT[s], num_valid_tokens=6)[0]
+        for s in (slice(0, 1), slice(1, 4))
+    )
+    assert_close(parts, full)
+    garbage_returns_BT = torch.where(mask_BT.bool(), returns_BT, torch.inf)
+    masked, _ = clipped_value_loss(values_BT, old_BT, garbage_returns_BT, mask_BT, num_valid_tokens=6)
+    assert_close(masked, full)
+    (grad,) = torch.autograd.grad(masked, values_BT)
+    assert (grad[~mask_BT.bool()] == 0).all()

@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from llamarl_algo_testing import assert_close
 
 from llamarl.algo import aipo_loss, get_policy_loss, mismatch_weights, ppo_clip_loss, with_mismatch_correction
 from llamarl.algo.policy_losses import policy_gradient_loss
@@ -27,13 +28,11 @@ BEHAVIOR_BT = TRAINER_OLD_BT - R_BT.log()
 def test_weights_hand_computed(mode, expected, corrected):
     weights, metrics = mismatch_weights(TRAINER_OLD_BT, BEHAVIOR_BT, MASK_BT, mode=mode, cap=2.0)
     # Padding gets ratio 1 (its log-ratio is zeroed), so it never decides anything.
-    torch.testing.assert_close(weights, torch.tensor(expected, dtype=torch.float64))
-    torch.testing.assert_close(
-        metrics["mismatch_corrected_fraction"], torch.tensor(corrected, dtype=torch.float64)
-    )
+    assert_close(weights, torch.tensor(expected, dtype=torch.float64))
+    assert_close(metrics["mismatch_corrected_fraction"], torch.tensor(corrected, dtype=torch.float64))
     valid = [0.5, 3.0, 1.0, 1.5, 1.2]
     k3 = sum(r - 1 - math.log(r) for r in valid) / 5
-    torch.testing.assert_close(metrics["mismatch_kl"], torch.tensor(k3, dtype=torch.float64))
+    assert_close(metrics["mismatch_kl"], torch.tensor(k3, dtype=torch.float64))
 
 
 @pytest.mark.parametrize(
@@ -41,8 +40,8 @@ def test_weights_hand_computed(mode, expected, corrected):
 )
 def test_sequence_weights_over_the_cap(mode, expected):
     weights, metrics = mismatch_weights(TRAINER_OLD_BT, BEHAVIOR_BT, MASK_BT, mode=mode, cap=1.0)
-    torch.testing.assert_close(weights, torch.tensor(expected, dtype=torch.float64))
-    torch.testing.assert_close(metrics["mismatch_corrected_fraction"], torch.tensor(1.0, dtype=torch.float64))
+    assert_close(weights, torch.tensor(expected, dtype=torch.float64))
+    assert_close(metrics["mismatch_corrected_fraction"], torch.tensor(1.0, dtype=torch.float64))
 
 
 def test_token_truncation_on_reinforce_is_aipo():
@@ -57,8 +56,8 @@ def test_token_truncation_on_reinforce_is_aipo():
     (grad,) = torch.autograd.grad(loss, logprobs_BT)
     aipo, _ = aipo_loss(logprobs_BT, BEHAVIOR_BT, advantages_B, MASK_BT, rho=2.0, num_valid_tokens=5)
     (aipo_grad,) = torch.autograd.grad(aipo, logprobs_BT)
-    torch.testing.assert_close(loss, aipo)
-    torch.testing.assert_close(grad, aipo_grad)
+    assert_close(loss, aipo)
+    assert_close(grad, aipo_grad)
     assert {"policy_kl", "mismatch_kl", "mismatch_weight_mean", "mismatch_weight_max"} <= set(metrics)
 
 
@@ -71,7 +70,7 @@ def test_matching_log_probs_leave_the_loss_unchanged():
         logprobs_BT, TRAINER_OLD_BT, advantages_B, MASK_BT, trainer_old_logprobs_BT=TRAINER_OLD_BT, **counts
     )
     plain, _ = ppo_clip_loss(logprobs_BT, TRAINER_OLD_BT, advantages_B, MASK_BT, **counts)
-    torch.testing.assert_close(loss, plain)
+    assert_close(loss, plain)
 
 
 def test_correction_weights_each_token_of_the_inner_loss():
@@ -85,7 +84,7 @@ def test_correction_weights_each_token_of_the_inner_loss():
     weights_BT = torch.tensor([[0.5, 2.0, 1.0], [1.5, 1.2, 1.0]], dtype=torch.float64)
     ratio_BT = torch.exp(logprobs_BT.detach() - TRAINER_OLD_BT)  # e^0.05, inside the clip range
     expected = -(weights_BT * advantages_B[:, None] * ratio_BT * MASK_BT).sum() / 5
-    torch.testing.assert_close(loss, expected)
+    assert_close(loss, expected)
 
 
 def test_unknown_mode_and_bad_cap():

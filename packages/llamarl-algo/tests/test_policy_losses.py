@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from llamarl_algo_testing import assert_close
 
 from llamarl.algo import (
     POLICY_LOSS_NAMES,
@@ -43,17 +44,17 @@ def test_masked_tokens_contribute_nothing(name, mode, make_batch):
     padding_BT = ~mask_BT.bool()
     loss, metrics = _call(name, mode, logprobs_BT, behavior_BT, advantages_BT, mask_BT, **_counts(mask_BT))
     (grad,) = torch.autograd.grad(loss, logprobs_BT)
-    # Garbage on the padding: extreme log-probs, inf behaviour log-probs, huge advantages.
-    garbage_BT = torch.where(padding_BT, -1e4, logprobs_BT.detach()).requires_grad_()
-    behavior2_BT = torch.where(padding_BT, torch.inf, behavior_BT)
-    advantages2_BT = torch.where(padding_BT, 1e9, advantages_BT)
+    # Garbage on the padding: -inf log-probs, nan behaviour log-probs, inf advantages.
+    garbage_BT = torch.where(padding_BT, -torch.inf, logprobs_BT.detach()).requires_grad_()
+    behavior2_BT = torch.where(padding_BT, torch.nan, behavior_BT)
+    advantages2_BT = torch.where(padding_BT, torch.inf, advantages_BT)
     loss2, metrics2 = _call(name, mode, garbage_BT, behavior2_BT, advantages2_BT, mask_BT, **_counts(mask_BT))
     (grad2,) = torch.autograd.grad(loss2, garbage_BT)
-    torch.testing.assert_close(loss2, loss)
-    torch.testing.assert_close(grad2, grad)
+    assert_close(loss2, loss)
+    assert_close(grad2, grad)
     assert (grad2[padding_BT] == 0).all()
     for key, value in metrics.items():
-        torch.testing.assert_close(metrics2[key], value, msg=key)
+        assert_close(metrics2[key], value, msg=key)
 
 
 @pytest.mark.parametrize(("name", "mode"), LOSS_VARIANTS)
@@ -72,8 +73,8 @@ def test_micro_batches_sum_to_full_batch(name, mode, token_advantages, make_batc
     ]
     total = sum(parts)
     (parts_grad,) = torch.autograd.grad(total, logprobs_BT)
-    torch.testing.assert_close(total, full)
-    torch.testing.assert_close(parts_grad, full_grad)
+    assert_close(total, full)
+    assert_close(parts_grad, full_grad)
 
 
 @pytest.mark.parametrize(("name", "mode"), LOSS_VARIANTS)
@@ -92,7 +93,7 @@ def test_micro_batches_trimmed_to_their_own_length_sum_to_full_batch(name, mode,
                 name, mode, logprobs_BT[cut], behavior_BT[cut], advantages_B[rows], mask_BT[cut], **counts
             )[0]
         )
-    torch.testing.assert_close(total, full)
+    assert_close(total, full)
 
 
 @pytest.mark.parametrize(("name", "mode"), LOSS_VARIANTS)
@@ -193,56 +194,52 @@ def test_ppo_clip_hand_computed():
     loss, grad, metrics = _loss_and_grad(ppo_clip_loss, ADVANTAGES, clip_eps=0.2)
     # A > 0 clips ratios above 1.2; A < 0 clips ratios below 0.8.
     clipped = [min(r * a, max(min(r, 1.2), 0.8) * a) for r, a in zip(R, A_SEQ, strict=True)]
-    torch.testing.assert_close(loss, torch.tensor(-sum(clipped) / 6, dtype=torch.float64))
+    assert_close(loss, torch.tensor(-sum(clipped) / 6, dtype=torch.float64))
     # d/dlogpi of -r A / N where the unclipped branch is taken: token 0 (1.5 > 1.2, A>0) and token 5
     # (0.7 < 0.8, A<0) are clipped and get no gradient.
     live = [0, 1, 1, 1, 1, 0]
     expected = [-r * a / 6 * keep for r, a, keep in zip(R, A_SEQ, live, strict=True)]
-    torch.testing.assert_close(grad, _tokens(expected))
-    torch.testing.assert_close(metrics["clipped_fraction"], torch.tensor(2 / 6, dtype=torch.float64))
+    assert_close(grad, _tokens(expected))
+    assert_close(metrics["clipped_fraction"], torch.tensor(2 / 6, dtype=torch.float64))
 
 
 def test_dapo_hand_computed_asymmetric_clip():
     loss, grad, metrics = _loss_and_grad(dapo_loss, ADVANTAGES, clip_low=0.2, clip_high=0.6)
     # Upper bound 1.6 now lets token 0 (ratio 1.5, A > 0) through.
     clipped = [min(r * a, max(min(r, 1.6), 0.8) * a) for r, a in zip(R, A_SEQ, strict=True)]
-    torch.testing.assert_close(loss, torch.tensor(-sum(clipped) / 6, dtype=torch.float64))
+    assert_close(loss, torch.tensor(-sum(clipped) / 6, dtype=torch.float64))
     live = [1, 1, 1, 1, 1, 0]
-    torch.testing.assert_close(
-        grad, _tokens([-r * a / 6 * k for r, a, k in zip(R, A_SEQ, live, strict=True)])
-    )
-    torch.testing.assert_close(metrics["clipped_fraction"], torch.tensor(1 / 6, dtype=torch.float64))
+    assert_close(grad, _tokens([-r * a / 6 * k for r, a, k in zip(R, A_SEQ, live, strict=True)]))
+    assert_close(metrics["clipped_fraction"], torch.tensor(1 / 6, dtype=torch.float64))
 
 
 def test_grpo_hand_computed_sequence_mean():
     loss, grad, _ = _loss_and_grad(grpo_loss, ADVANTAGES, clip_eps=0.2)
     terms = [min(r * a, max(min(r, 1.2), 0.8) * a) for r, a in zip(R, A_SEQ, strict=True)]
     expected = -(sum(terms[:4]) / 4 + sum(terms[4:]) / 2) / 2
-    torch.testing.assert_close(loss, torch.tensor(expected, dtype=torch.float64))
+    assert_close(loss, torch.tensor(expected, dtype=torch.float64))
     live = [0, 1, 1, 1, 1, 0]
     lengths = [4, 4, 4, 4, 2, 2]
     want = [-r * a / (2 * n) * k for r, a, n, k in zip(R, A_SEQ, lengths, live, strict=True)]
-    torch.testing.assert_close(grad, _tokens(want))
+    assert_close(grad, _tokens(want))
 
 
 def test_dr_grpo_hand_computed_constant_length():
     loss, grad, _ = _loss_and_grad(dr_grpo_loss, ADVANTAGES, clip_eps=0.2, max_response_length=8)
     terms = [min(r * a, max(min(r, 1.2), 0.8) * a) for r, a in zip(R, A_SEQ, strict=True)]
-    torch.testing.assert_close(loss, torch.tensor(-sum(terms) / (2 * 8), dtype=torch.float64))
+    assert_close(loss, torch.tensor(-sum(terms) / (2 * 8), dtype=torch.float64))
     live = [0, 1, 1, 1, 1, 0]
-    torch.testing.assert_close(
-        grad, _tokens([-r * a / 16 * k for r, a, k in zip(R, A_SEQ, live, strict=True)])
-    )
+    assert_close(grad, _tokens([-r * a / 16 * k for r, a, k in zip(R, A_SEQ, live, strict=True)]))
 
 
 def test_cispo_hand_computed():
     loss, grad, metrics = _loss_and_grad(cispo_loss, ADVANTAGES, clip_low=0.2, clip_high=0.2)
     weights = [max(min(r, 1.2), 0.8) for r in R]
     expected = -sum(w * a * lp for w, a, lp in zip(weights, A_SEQ, LP, strict=True)) / 6
-    torch.testing.assert_close(loss, torch.tensor(expected, dtype=torch.float64))
+    assert_close(loss, torch.tensor(expected, dtype=torch.float64))
     # Every token keeps its gradient, scaled by the detached clipped weight.
-    torch.testing.assert_close(grad, _tokens([-w * a / 6 for w, a in zip(weights, A_SEQ, strict=True)]))
-    torch.testing.assert_close(metrics["clipped_fraction"], torch.tensor(4 / 6, dtype=torch.float64))
+    assert_close(grad, _tokens([-w * a / 6 for w, a in zip(weights, A_SEQ, strict=True)]))
+    assert_close(metrics["clipped_fraction"], torch.tensor(4 / 6, dtype=torch.float64))
 
 
 def test_gspo_hand_computed():
@@ -252,11 +249,11 @@ def test_gspo_hand_computed():
     expected = (
         -(min(s0 * 1.0, max(min(s0, 1.1), 0.9) * 1.0) + min(s1 * -2.0, max(min(s1, 1.1), 0.9) * -2.0)) / 2
     )
-    torch.testing.assert_close(loss, torch.tensor(expected, dtype=torch.float64))
+    assert_close(loss, torch.tensor(expected, dtype=torch.float64))
     # grad of -s_i A_i / num_sequences w.r.t. log pi_it is -s_i A_i / (|y_i| num_sequences).
     want = [-s0 * 1.0 / 8] * 4 + [-s1 * -2.0 / 4] * 2
-    torch.testing.assert_close(grad, _tokens(want))
-    torch.testing.assert_close(metrics["ratio_max"], torch.tensor(s1, dtype=torch.float64))
+    assert_close(grad, _tokens(want))
+    assert_close(metrics["ratio_max"], torch.tensor(s1, dtype=torch.float64))
 
 
 def test_gspo_clipped_sequence_has_no_gradient():
@@ -264,7 +261,7 @@ def test_gspo_clipped_sequence_has_no_gradient():
     # Defaults clip to [1 - 3e-4, 1 + 4e-4]: both sequences are outside; with A > 0 the second
     # (s ~ 1.18) is clipped, the first (s ~ 0.93, below the range) keeps its gradient.
     assert (grad[1] == 0).all() and (grad[0, :4] != 0).all()
-    torch.testing.assert_close(metrics["clipped_fraction"], torch.tensor(2 / 6, dtype=torch.float64))
+    assert_close(metrics["clipped_fraction"], torch.tensor(2 / 6, dtype=torch.float64))
 
 
 def test_aipo_sequence_hand_computed():
@@ -273,9 +270,9 @@ def test_aipo_sequence_hand_computed():
     w1 = min(math.prod(R[4:]), 1.2)  # 1.4 -> 1.2
     weights = [w0] * 4 + [w1] * 2
     expected = -sum(w * a * lp for w, a, lp in zip(weights, A_SEQ, LP, strict=True)) / 6
-    torch.testing.assert_close(loss, torch.tensor(expected, dtype=torch.float64))
-    torch.testing.assert_close(grad, _tokens([-w * a / 6 for w, a in zip(weights, A_SEQ, strict=True)]))
-    torch.testing.assert_close(metrics["truncated_fraction"], torch.tensor(0.5, dtype=torch.float64))
+    assert_close(loss, torch.tensor(expected, dtype=torch.float64))
+    assert_close(grad, _tokens([-w * a / 6 for w, a in zip(weights, A_SEQ, strict=True)]))
+    assert_close(metrics["truncated_fraction"], torch.tensor(0.5, dtype=torch.float64))
 
 
 # ---- reductions that should coincide ---------------------------------------------------------------
@@ -296,8 +293,8 @@ def test_aipo_without_truncation_on_policy_is_reinforce_with_group_mean_baseline
     baseline_B = rewards_B.view(2, 3).mean(-1).repeat_interleave(3)
     reinforce = -(((rewards_B - baseline_B)[:, None] * logprobs_BT) * mask_BT).sum() / n
     (reinforce_grad,) = torch.autograd.grad(reinforce, logprobs_BT)
-    torch.testing.assert_close(aipo, reinforce)
-    torch.testing.assert_close(aipo_grad, reinforce_grad)
+    assert_close(aipo, reinforce)
+    assert_close(aipo_grad, reinforce_grad)
 
 
 def test_ppo_clip_at_ratio_one_is_the_plain_policy_gradient(batch):
@@ -307,10 +304,10 @@ def test_ppo_clip_at_ratio_one_is_the_plain_policy_gradient(batch):
     (ppo_grad,) = torch.autograd.grad(ppo, logprobs_BT)
     pg, _ = policy_gradient_loss(logprobs_BT, logprobs_BT.detach(), advantages_B, mask_BT, **counts)
     (pg_grad,) = torch.autograd.grad(pg, logprobs_BT)
-    torch.testing.assert_close(ppo_grad, pg_grad)
+    assert_close(ppo_grad, pg_grad)
     # The value is the surrogate at ratio 1: minus the token mean of the advantage.
     expected = -(advantages_B[:, None] * mask_BT).sum() / counts["num_valid_tokens"]
-    torch.testing.assert_close(ppo, expected)
+    assert_close(ppo, expected)
 
 
 def test_dapo_with_symmetric_clip_is_ppo_clip(batch):
@@ -319,7 +316,7 @@ def test_dapo_with_symmetric_clip_is_ppo_clip(batch):
     dapo, _ = dapo_loss(
         logprobs_BT, behavior_BT, advantages_B, mask_BT, clip_low=0.1, clip_high=0.1, **_counts(mask_BT)
     )
-    torch.testing.assert_close(dapo, ppo)
+    assert_close(dapo, ppo)
 
 
 def test_cispo_with_upper_bound_only_is_aipo(batch):
@@ -328,7 +325,7 @@ def test_cispo_with_upper_bound_only_is_aipo(batch):
         logprobs_BT, behavior_BT, advantages_B, mask_BT, clip_low=1.0, clip_high=0.1, **_counts(mask_BT)
     )
     aipo, _ = aipo_loss(logprobs_BT, behavior_BT, advantages_B, mask_BT, rho=1.1, **_counts(mask_BT))
-    torch.testing.assert_close(cispo, aipo)
+    assert_close(cispo, aipo)
 
 
 def test_dr_grpo_equals_grpo_when_every_sequence_has_full_length(make_batch):
@@ -336,7 +333,7 @@ def test_dr_grpo_equals_grpo_when_every_sequence_has_full_length(make_batch):
     mask_BT = torch.ones(4, 5, dtype=torch.int64)
     grpo, _ = grpo_loss(logprobs_BT, behavior_BT, advantages_B, mask_BT, **_counts(mask_BT))
     dr_grpo, _ = dr_grpo_loss(logprobs_BT, behavior_BT, advantages_B, mask_BT, **_counts(mask_BT))
-    torch.testing.assert_close(dr_grpo, grpo)
+    assert_close(dr_grpo, grpo)
 
 
 def test_gspo_on_single_token_sequences_is_grpo(make_batch):
@@ -349,8 +346,8 @@ def test_gspo_on_single_token_sequences_is_grpo(make_batch):
     (gspo_grad,) = torch.autograd.grad(gspo, logprobs_BT)
     grpo, _ = grpo_loss(logprobs_BT, behavior_BT, advantages_B, mask_BT, clip_eps=0.1, **counts)
     (grpo_grad,) = torch.autograd.grad(grpo, logprobs_BT)
-    torch.testing.assert_close(gspo, grpo)
-    torch.testing.assert_close(gspo_grad, grpo_grad)
+    assert_close(gspo, grpo)
+    assert_close(gspo_grad, grpo_grad)
 
 
 def test_aipo_sequence_on_single_token_sequences_is_aipo(make_batch):
@@ -358,4 +355,4 @@ def test_aipo_sequence_on_single_token_sequences_is_aipo(make_batch):
     mask_BT = torch.ones(4, 1, dtype=torch.int64)
     seq, _ = aipo_sequence_loss(logprobs_BT, behavior_BT, advantages_B, mask_BT, rho=1.5, num_valid_tokens=4)
     tok, _ = aipo_loss(logprobs_BT, behavior_BT, advantages_B, mask_BT, rho=1.5, num_valid_tokens=4)
-    torch.testing.assert_close(seq, tok)
+    assert_close(seq, tok)

@@ -74,6 +74,11 @@ def kl_penalty_loss(
     """
     if estimator not in KL_ESTIMATORS:
         raise ValueError(f"unknown KL estimator {estimator!r}; valid names: {', '.join(KL_ESTIMATORS)}")
+    # Masked positions are replaced before any arithmetic: garbage there (inf, nan) would otherwise
+    # reach the gradient as 0 * inf = nan.
+    valid_BT = mask_BT.bool()
+    logprobs_BT = torch.where(valid_BT, logprobs_BT, torch.zeros_like(logprobs_BT))
+    ref_logprobs_BT = torch.where(valid_BT, ref_logprobs_BT, torch.zeros_like(logprobs_BT))
     kl_BT = KL_ESTIMATORS[estimator](logprobs_BT, ref_logprobs_BT)
     loss = coef * token_sum_over(kl_BT, mask_BT, num_valid_tokens)
     return loss, {f"kl_{estimator}": masked_mean(kl_BT.detach(), mask_BT)}

@@ -51,6 +51,13 @@ def _log_ratio(logprobs_BT: Tensor, behavior_logprobs_BT: Tensor, mask_BT: Tenso
     return torch.where(mask_BT.bool(), log_ratio_BT, torch.zeros_like(log_ratio_BT))
 
 
+def _token_advantages(advantages: Tensor, mask_BT: Tensor) -> Tensor:
+    """Advantages as [B, T], detached, 0 on masked tokens: an inf or nan left on padding would otherwise
+    turn the zero gradient of a masked token into nan (0 * inf)."""
+    advantages_BT = expand_to_tokens(advantages.detach(), mask_BT)
+    return torch.where(mask_BT.bool(), advantages_BT, torch.zeros_like(advantages_BT))
+
+
 def k3_mismatch_kl(logprobs_BT: Tensor, behavior_logprobs_BT: Tensor, mask_BT: Tensor) -> Tensor:
     """k3 estimate of KL(mu || pi) from tokens sampled by mu, averaged over the valid tokens (detached).
 
@@ -101,7 +108,7 @@ def aipo_loss(
         raise ValueError(f"rho must be positive, got {rho}")
     ratio_BT = _log_ratio(logprobs_BT.detach(), behavior_logprobs_BT, mask_BT).exp()
     weight_BT = ratio_BT.clamp(max=rho)
-    advantages_BT = expand_to_tokens(advantages, logprobs_BT).detach()
+    advantages_BT = _token_advantages(advantages, mask_BT)
     loss = -token_sum_over(weight_BT * advantages_BT * logprobs_BT, mask_BT, num_valid_tokens)
     metrics = _ratio_metrics(ratio_BT, mask_BT, ratio_BT > rho)
     metrics["mismatch_kl"] = k3_mismatch_kl(logprobs_BT, behavior_logprobs_BT, mask_BT)
@@ -140,7 +147,7 @@ def aipo_sequence_loss(
     if rho <= 0:
         raise ValueError(f"rho must be positive, got {rho}")
     weight_B = log_seq_ratio_B.clamp(max=math.log(rho)).exp()
-    advantages_BT = expand_to_tokens(advantages, logprobs_BT).detach()
+    advantages_BT = _token_advantages(advantages, mask_BT)
     loss = -token_sum_over(weight_B[:, None] * advantages_BT * logprobs_BT, mask_BT, num_valid_tokens)
     has_tokens_B = mask_BT.bool().any(-1)
     seq_ratio_B = log_seq_ratio_B.clamp(max=LOG_RATIO_LIMIT).exp()
@@ -164,7 +171,7 @@ def policy_gradient_loss(
     loss (no importance correction) and only reported through mismatch_kl.
     """
     del num_sequences
-    advantages_BT = expand_to_tokens(advantages, logprobs_BT).detach()
+    advantages_BT = _token_advantages(advantages, mask_BT)
     loss = -token_sum_over(advantages_BT * logprobs_BT, mask_BT, num_valid_tokens)
     return loss, {"mismatch_kl": k3_mismatch_kl(logprobs_BT, behavior_logprobs_BT, mask_BT)}
 
@@ -198,7 +205,7 @@ def _token_clipped_terms(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Token-level clipped surrogate per token (to be maximised) and its metrics."""
     ratio_BT = _log_ratio(logprobs_BT, old_logprobs_BT, mask_BT).exp()
-    advantages_BT = expand_to_tokens(advantages, logprobs_BT).detach()
+    advantages_BT = _token_advantages(advantages, mask_BT)
     objective_BT, clipped_BT = _clipped_objective(ratio_BT, advantages_BT, clip_low, clip_high)
     return objective_BT, _clip_metrics(ratio_BT, mask_BT, clipped_BT, logprobs_BT, old_logprobs_BT)
 
@@ -337,7 +344,7 @@ def gspo_loss(
     token_log_ratio_BT = log_seq_ratio_B.detach()[:, None] + logprobs_BT - logprobs_BT.detach()
     token_log_ratio_BT = torch.where(mask_BT.bool(), token_log_ratio_BT, torch.zeros_like(token_log_ratio_BT))
     ratio_BT = token_log_ratio_BT.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT).exp()
-    advantages_BT = expand_to_tokens(advantages, logprobs_BT).detach()
+    advantages_BT = _token_advantages(advantages, mask_BT)
     objective_BT, clipped_BT = _clipped_objective(ratio_BT, advantages_BT, clip_low, clip_high)
     loss = -sequence_mean(objective_BT, mask_BT).sum() / num_sequences
     has_tokens_B = mask_BT.bool().any(-1)
@@ -372,7 +379,7 @@ def cispo_loss(
     del num_sequences
     ratio_BT = _log_ratio(logprobs_BT.detach(), behavior_logprobs_BT, mask_BT).exp()
     weight_BT = ratio_BT.clamp(1.0 - clip_low, 1.0 + clip_high)
-    advantages_BT = expand_to_tokens(advantages, logprobs_BT).detach()
+    advantages_BT = _token_advantages(advantages, mask_BT)
     loss = -token_sum_over(weight_BT * advantages_BT * logprobs_BT, mask_BT, num_valid_tokens)
     metrics = _ratio_metrics(ratio_BT, mask_BT, weight_BT != ratio_BT)
     metrics["clipped_fraction"] = metrics.pop("truncated_fraction")

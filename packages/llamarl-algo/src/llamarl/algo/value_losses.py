@@ -38,7 +38,12 @@ def clipped_value_loss(
     Returns:
         (loss, metrics): value_clipped_fraction, value_mean, value_error (mean squared error).
     """
-    old_values_BT, returns_BT = old_values_BT.detach(), returns_BT.detach()
+    # Masked positions are replaced before any arithmetic: garbage there (inf, nan) would otherwise
+    # reach the gradient as 0 * inf = nan.
+    valid_BT = mask_BT.bool()
+    values_BT = torch.where(valid_BT, values_BT, torch.zeros_like(values_BT))
+    old_values_BT = torch.where(valid_BT, old_values_BT.detach(), torch.zeros_like(values_BT))
+    returns_BT = torch.where(valid_BT, returns_BT.detach(), torch.zeros_like(values_BT))
     clipped_values_BT = old_values_BT + (values_BT - old_values_BT).clamp(-clip_eps, clip_eps)
     error_BT = (values_BT - returns_BT).square()
     clipped_error_BT = (clipped_values_BT - returns_BT).square()
