@@ -32,8 +32,7 @@ def test_greedy_answers_with_the_chat_template(smollm2_dir, shared_rows):
         [{"role": "user", "content": question}],
         [{"role": "user", "content": "What is 2+3? Answer briefly."}],
     ]
-    prompts = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True) for c in chats]
-    prompts = [p["input_ids"] if isinstance(p, dict) or hasattr(p, "keys") else p for p in prompts]
+    prompts = [tokenizer.apply_chat_template(c, add_generation_prompt=True, return_dict=False) for c in chats]
     gen = HFGenerator(HFGeneratorConfig(model=str(smollm2_dir)))
     gen.setup()
     assert gen.eos_token_ids == [tokenizer.convert_tokens_to_ids("<|im_end|>")]

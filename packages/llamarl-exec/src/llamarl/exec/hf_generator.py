@@ -152,13 +152,20 @@ class HFGenerator:
         # Every sampling option is set explicitly: values left unset would be filled from the model's
         # generation_config.json (e.g. top_k=50, top_p=0.9) and the tokens would no longer come from
         # softmax(logits / T), which the behaviour log-probs describe.
+        if greedy:
+            # Sampling knobs stay unset: transformers warns about them when do_sample is False.
+            sampling = {"do_sample": False}
+        else:
+            sampling = {
+                "do_sample": True,
+                "temperature": self.config.temperature,
+                "top_k": 0,
+                "top_p": 1.0,
+                "min_p": None,
+                "typical_p": 1.0,
+            }
         generation_config = GenerationConfig(
-            do_sample=not greedy,
-            temperature=1.0 if greedy else self.config.temperature,  # unused (and warned about) when greedy
-            top_k=0,
-            top_p=1.0,
-            min_p=None,
-            typical_p=1.0,
+            **sampling,
             repetition_penalty=1.0,
             no_repeat_ngram_size=0,
             max_new_tokens=max_new_tokens,

@@ -128,6 +128,7 @@ def smollm2_path(cache_dir: str | os.PathLike | None = None) -> Path:
         try:
             _convert_smollm2(smollm2_gguf_path(), tmp)
             (tmp / _DONE_MARKER).write_text("converted from " + SMOLLM2_GGUF_FILE + "\n")
+            tmp.chmod(0o755)  # mkdtemp makes it private; the cache may be shared with other users
             if target.exists():  # an unfinished folder from some older, interrupted tool: replace it
                 shutil.rmtree(target)
             tmp.rename(target)
@@ -158,7 +159,6 @@ def _convert_smollm2(gguf: Path, out_dir: Path) -> None:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    model.config.name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct"
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
 
