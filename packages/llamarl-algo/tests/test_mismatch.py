@@ -92,3 +92,5 @@ def test_unknown_mode_and_bad_cap():
         with_mismatch_correction(policy_gradient_loss, mode="bogus")
     with pytest.raises(ValueError, match="cap"):
         mismatch_weights(TRAINER_OLD_BT, BEHAVIOR_BT, MASK_BT, cap=0.0)
+    with pytest.raises(ValueError, match="cap"):
+        get_policy_loss("aipo", mismatch_is="token_mask", mismatch_cap=-1.0)

@@ -23,9 +23,8 @@ from llamarl.algo import (
 )
 from llamarl.algo.mismatch import MISMATCH_MODES
 
-LOSS_VARIANTS = [(name, None) for name in POLICY_LOSS_NAMES] + [
-    (name, mode) for name in ("aipo", "ppo_clip", "gspo") for mode in MISMATCH_MODES
-]
+# Every loss, alone and wrapped in every mismatch correction.
+LOSS_VARIANTS = [(name, mode) for name in POLICY_LOSS_NAMES for mode in (None, *MISMATCH_MODES)]
 
 
 def _call(name, mode, logprobs_BT, behavior_BT, advantages, mask_BT, **counts):

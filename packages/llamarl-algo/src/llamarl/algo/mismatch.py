@@ -140,6 +140,8 @@ def with_mismatch_correction(
     """
     if mode not in _MISMATCH_MODES:
         raise ValueError(f"unknown mismatch correction {mode!r}; valid names: {', '.join(_MISMATCH_MODES)}")
+    if cap <= 0:
+        raise ValueError(f"cap must be positive, got {cap}")
 
     @functools.wraps(loss_fn)
     def corrected_loss(
