@@ -123,3 +123,41 @@ def test_no_tokens_by_vocab_float32_copy_is_kept_for_backward(fn):
     assert largest <= 4 * 64
     out.sum().backward()
     assert logits_BTV.grad.dtype == torch.bfloat16 and torch.isfinite(logits_BTV.grad.float()).all()
+
+
+@pytest.mark.parametrize("chunk_size", [2, 7, 64])
+def test_non_contiguous_and_other_ranks_match_reference(chunk_size):
+    gen = torch.Generator().manual_seed(4)
+    full_BTV = torch.randn(3, 6, 9, dtype=torch.float64, generator=gen, requires_grad=True)
+    logits_BTV = full_BTV[:, :-1]  # what a trainer passes: the positions that predict the completion
+    assert not logits_BTV.is_contiguous()
+    token_ids_BT = torch.randint(0, 9, (3, 5), generator=gen)
+    logprobs_BT = token_logprobs(logits_BTV, token_ids_BT, chunk_size=chunk_size)
+    assert_close(logprobs_BT, _reference_logprobs(logits_BTV.detach(), token_ids_BT))
+    assert torch.autograd.gradcheck(
+        lambda x: token_logprobs(x[:, :-1], token_ids_BT, chunk_size=chunk_size), (full_BTV,)
+    )
+    # [T, V] and [A, B, T, V]
+    assert_close(token_logprobs(logits_BTV[0], token_ids_BT[0], chunk_size=chunk_size), logprobs_BT[0])
+    four_d = token_logprobs(
+        logits_BTV.reshape(1, 3, 5, 9), token_ids_BT.reshape(1, 3, 5), chunk_size=chunk_size
+    )
+    assert_close(four_d, logprobs_BT[None])
+    entropy_BT = entropy_from_logits(logits_BTV, chunk_size=chunk_size)
+    assert_close(entropy_BT, _reference_entropy(logits_BTV.detach()))
+    assert_close(entropy_from_logits(logits_BTV[1], chunk_size=chunk_size), entropy_BT[1])
+
+
+def test_sliced_logits_are_not_copied():
+    full_BTV = torch.randn(2, 9, 50).bfloat16().requires_grad_()
+    logits_BTV = full_BTV[:, :-1]
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        token_logprobs(logits_BTV, torch.zeros(2, 8, dtype=torch.long), chunk_size=4).sum().backward()
+    (saved_logits,) = [t for t in saved if t.dim() == 3]
+    assert saved_logits.data_ptr() == full_BTV.data_ptr()  # the caller's view, not a flattened copy

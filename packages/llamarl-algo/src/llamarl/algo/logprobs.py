@@ -2,15 +2,20 @@
 
 Shape legend:
     B: sequences in the batch, T: tokens per sequence (padded), V: vocabulary size,
-    N: B * T flattened tokens.
+    b, t: the sequences and tokens of one chunk (b * t <= chunk_size, or one row's slice of T).
 
 Why chunks and custom autograd functions: with a 150k-token vocabulary, a float32 copy of the logits
-of every token (N x V x 4 bytes) is larger than the bf16 logits themselves. Both the forward and the
-backward pass here work on `chunk_size` tokens at a time, upcast only that chunk to float32, and save
-nothing of size N x V for the backward pass except the logits the caller already holds.
+of every token (B x T x V x 4 bytes) is larger than the bf16 logits themselves. Both the forward and the
+backward pass here work on about `chunk_size` tokens at a time, upcast only that chunk to float32, and
+save nothing of size B x T x V for the backward pass except the logits the caller already holds.
+
+Chunks are taken as views of the [B, T, V] logits, never through a flattening reshape: logits sliced
+to the completion (`logits[:, :-1]`) are not contiguous, and flattening them would copy all of them.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
@@ -18,61 +23,79 @@ from torch import Tensor
 DEFAULT_CHUNK_SIZE = 512
 """Tokens per chunk: 512 x 150k vocabulary x 4 bytes is about 300 MB of float32 at a time."""
 
+_Chunk = tuple[slice, slice]
+
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     # float32 for bf16/fp16/fp32 logits; float64 stays float64 (gradcheck, reference computations).
     return torch.promote_types(dtype, torch.float32)
 
 
-def _chunks(num_tokens: int, chunk_size: int) -> range:
+def _chunks(num_sequences: int, num_tokens: int, chunk_size: int) -> Iterator[_Chunk]:
+    """(rows, columns) slices covering [B, T], each of at most max(chunk_size, 1 row's worth) tokens:
+    whole rows grouped when a row fits in a chunk, else pieces of one row."""
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    return range(0, num_tokens, chunk_size)
+    if num_tokens == 0:
+        return
+    if num_tokens <= chunk_size:
+        rows_per_chunk = chunk_size // num_tokens
+        for first in range(0, num_sequences, rows_per_chunk):
+            yield slice(first, first + rows_per_chunk), slice(None)
+    else:
+        for row in range(num_sequences):
+            for first in range(0, num_tokens, chunk_size):
+                yield slice(row, row + 1), slice(first, first + chunk_size)
+
+
+def _as_3d(logits: Tensor) -> Tensor:
+    """[..., T, V] -> [B, T, V] without copying when possible ([T, V] gets B = 1)."""
+    if logits.dim() < 2:
+        raise ValueError(f"logits need at least a token and a vocabulary axis, got {tuple(logits.shape)}")
+    return logits.unsqueeze(0) if logits.dim() == 2 else logits.flatten(0, -3)
 
 
 class _TokenLogprobs(torch.autograd.Function):
     """log softmax(logits / temperature)[token] per token, chunked in forward and backward."""
 
     @staticmethod
-    def forward(ctx, logits_NV: Tensor, token_ids_N: Tensor, temperature: float, chunk_size: int) -> Tensor:
-        num_tokens = logits_NV.shape[0]
-        compute_dtype = _compute_dtype(logits_NV.dtype)
-        logprobs_N = torch.empty(num_tokens, dtype=compute_dtype, device=logits_NV.device)
-        max_N = torch.empty_like(logprobs_N)
-        lse_shifted_N = torch.empty_like(logprobs_N)
-        for start in _chunks(num_tokens, chunk_size):
-            end = start + chunk_size
-            scaled_CV = logits_NV[start:end].to(compute_dtype) / temperature
+    def forward(ctx, logits_BTV: Tensor, token_ids_BT: Tensor, temperature: float, chunk_size: int) -> Tensor:
+        num_sequences, num_tokens, _ = logits_BTV.shape
+        compute_dtype = _compute_dtype(logits_BTV.dtype)
+        logprobs_BT = logits_BTV.new_empty((num_sequences, num_tokens), dtype=compute_dtype)
+        max_BT = torch.empty_like(logprobs_BT)
+        lse_shifted_BT = torch.empty_like(logprobs_BT)
+        for chunk in _chunks(num_sequences, num_tokens, chunk_size):
+            scaled_btV = logits_BTV[chunk].to(compute_dtype) / temperature
             # Shift by the row maximum before subtracting, so that logits of -1e4 do not lose the
             # log-prob's digits to the float32 rounding of a large logsumexp.
-            max_C = scaled_CV.amax(-1).clamp(min=torch.finfo(compute_dtype).min)
-            shifted_CV = scaled_CV - max_C[:, None]
-            lse_shifted_C = torch.logsumexp(shifted_CV, dim=-1)
-            picked_C = shifted_CV.gather(-1, token_ids_N[start:end, None]).squeeze(-1)
-            logprobs_N[start:end] = picked_C - lse_shifted_C
-            max_N[start:end] = max_C
-            lse_shifted_N[start:end] = lse_shifted_C
-        ctx.save_for_backward(logits_NV, token_ids_N, max_N, lse_shifted_N)
+            max_bt = scaled_btV.amax(-1).clamp(min=torch.finfo(compute_dtype).min)
+            shifted_btV = scaled_btV - max_bt[..., None]
+            lse_shifted_bt = torch.logsumexp(shifted_btV, dim=-1)
+            picked_bt = shifted_btV.gather(-1, token_ids_BT[chunk][..., None]).squeeze(-1)
+            logprobs_BT[chunk] = picked_bt - lse_shifted_bt
+            max_BT[chunk] = max_bt
+            lse_shifted_BT[chunk] = lse_shifted_bt
+        ctx.save_for_backward(logits_BTV, token_ids_BT, max_BT, lse_shifted_BT)
         ctx.temperature = temperature
         ctx.chunk_size = chunk_size
-        return logprobs_N
+        return logprobs_BT
 
     @staticmethod
-    def backward(ctx, grad_N: Tensor):
-        logits_NV, token_ids_N, max_N, lse_shifted_N = ctx.saved_tensors
+    def backward(ctx, grad_BT: Tensor):
+        logits_BTV, token_ids_BT, max_BT, lse_shifted_BT = ctx.saved_tensors
         temperature, chunk_size = ctx.temperature, ctx.chunk_size
-        compute_dtype = _compute_dtype(logits_NV.dtype)
-        grad_logits_NV = torch.empty_like(logits_NV)
-        for start in _chunks(logits_NV.shape[0], chunk_size):
-            end = start + chunk_size
+        compute_dtype = _compute_dtype(logits_BTV.dtype)
+        grad_logits_BTV = torch.empty(logits_BTV.shape, dtype=logits_BTV.dtype, device=logits_BTV.device)
+        for chunk in _chunks(logits_BTV.shape[0], logits_BTV.shape[1], chunk_size):
             # d logprob / d logits = (onehot(token) - softmax(logits / T)) / T
-            shifted_CV = logits_NV[start:end].to(compute_dtype) / temperature - max_N[start:end, None]
-            probs_CV = torch.exp(shifted_CV - lse_shifted_N[start:end, None])
-            grad_CV = -probs_CV
-            grad_CV.scatter_add_(-1, token_ids_N[start:end, None], torch.ones_like(grad_CV[:, :1]))
-            grad_CV *= grad_N[start:end, None].to(compute_dtype) / temperature
-            grad_logits_NV[start:end] = grad_CV.to(grad_logits_NV.dtype)
-        return grad_logits_NV, None, None, None
+            shifted_btV = logits_BTV[chunk].to(compute_dtype) / temperature - max_BT[chunk][..., None]
+            grad_btV = -torch.exp(shifted_btV - lse_shifted_BT[chunk][..., None])
+            ones_bt1 = torch.ones_like(grad_btV[..., :1])
+            grad_btV.scatter_add_(-1, token_ids_BT[chunk][..., None], ones_bt1)
+            grad_btV *= grad_BT[chunk][..., None].to(compute_dtype) / temperature
+            grad_logits_BTV[chunk] = grad_btV.to(grad_logits_BTV.dtype)
+        return grad_logits_BTV, None, None, None
 
 
 def token_logprobs(
@@ -86,8 +109,8 @@ def token_logprobs(
 
     Args:
         logits_BTV: logits at the positions that predict `token_ids_BT` (already shifted by the
-            caller), any float dtype.
-        token_ids_BT: sampled token ids, int64.
+            caller), any float dtype, contiguous or not; [T, V] and [..., T, V] work too.
+        token_ids_BT: sampled token ids (valid vocabulary indexes also on padding, e.g. the pad id).
         temperature: the sampling temperature, so that the trainer's log-probs match the distribution
             the generator sampled from.
         chunk_size: tokens upcast to float32 at a time.
@@ -97,51 +120,51 @@ def token_logprobs(
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be positive, got {temperature}")
-    *batch_shape, vocab = logits_BTV.shape
-    if tuple(batch_shape) != tuple(token_ids_BT.shape):
+    if tuple(logits_BTV.shape[:-1]) != tuple(token_ids_BT.shape):
         raise ValueError(
             f"logits {tuple(logits_BTV.shape)} do not match token ids {tuple(token_ids_BT.shape)}"
         )
-    logits_NV = logits_BTV.reshape(-1, vocab)
-    token_ids_N = token_ids_BT.reshape(-1).long()
-    logprobs_N = _TokenLogprobs.apply(logits_NV, token_ids_N, float(temperature), int(chunk_size))
-    return logprobs_N.view(batch_shape)
+    logprobs_BT = _TokenLogprobs.apply(
+        _as_3d(logits_BTV),
+        _as_3d(token_ids_BT[..., None])[..., 0].long(),
+        float(temperature),
+        int(chunk_size),
+    )
+    return logprobs_BT.view(token_ids_BT.shape)
 
 
 class _Entropy(torch.autograd.Function):
     """Entropy of softmax(logits / temperature) per token, chunked in forward and backward."""
 
     @staticmethod
-    def forward(ctx, logits_NV: Tensor, temperature: float, chunk_size: int) -> Tensor:
-        num_tokens = logits_NV.shape[0]
-        compute_dtype = _compute_dtype(logits_NV.dtype)
-        entropy_N = torch.empty(num_tokens, dtype=compute_dtype, device=logits_NV.device)
-        for start in _chunks(num_tokens, chunk_size):
-            end = start + chunk_size
-            logp_CV = torch.log_softmax(logits_NV[start:end].to(compute_dtype) / temperature, dim=-1)
+    def forward(ctx, logits_BTV: Tensor, temperature: float, chunk_size: int) -> Tensor:
+        num_sequences, num_tokens, _ = logits_BTV.shape
+        compute_dtype = _compute_dtype(logits_BTV.dtype)
+        entropy_BT = logits_BTV.new_empty((num_sequences, num_tokens), dtype=compute_dtype)
+        for chunk in _chunks(num_sequences, num_tokens, chunk_size):
+            logp_btV = torch.log_softmax(logits_BTV[chunk].to(compute_dtype) / temperature, dim=-1)
             # p * log p is 0 where p is 0 (e.g. logits of -inf), not nan.
-            plogp_CV = torch.where(logp_CV > -torch.inf, logp_CV.exp() * logp_CV, 0.0)
-            entropy_N[start:end] = -plogp_CV.sum(-1)
-        ctx.save_for_backward(logits_NV, entropy_N)
+            plogp_btV = torch.where(logp_btV > -torch.inf, logp_btV.exp() * logp_btV, 0.0)
+            entropy_BT[chunk] = -plogp_btV.sum(-1)
+        ctx.save_for_backward(logits_BTV, entropy_BT)
         ctx.temperature = temperature
         ctx.chunk_size = chunk_size
-        return entropy_N
+        return entropy_BT
 
     @staticmethod
-    def backward(ctx, grad_N: Tensor):
-        logits_NV, entropy_N = ctx.saved_tensors
+    def backward(ctx, grad_BT: Tensor):
+        logits_BTV, entropy_BT = ctx.saved_tensors
         temperature, chunk_size = ctx.temperature, ctx.chunk_size
-        compute_dtype = _compute_dtype(logits_NV.dtype)
-        grad_logits_NV = torch.empty_like(logits_NV)
-        for start in _chunks(logits_NV.shape[0], chunk_size):
-            end = start + chunk_size
+        compute_dtype = _compute_dtype(logits_BTV.dtype)
+        grad_logits_BTV = torch.empty(logits_BTV.shape, dtype=logits_BTV.dtype, device=logits_BTV.device)
+        for chunk in _chunks(logits_BTV.shape[0], logits_BTV.shape[1], chunk_size):
             # dH/dz_j = -p_j (log p_j + H) with z = logits / T.
-            logp_CV = torch.log_softmax(logits_NV[start:end].to(compute_dtype) / temperature, dim=-1)
-            probs_CV = logp_CV.exp()
-            centered_CV = torch.where(probs_CV > 0, logp_CV + entropy_N[start:end, None], 0.0)
-            grad_CV = -probs_CV * centered_CV * (grad_N[start:end, None].to(compute_dtype) / temperature)
-            grad_logits_NV[start:end] = grad_CV.to(grad_logits_NV.dtype)
-        return grad_logits_NV, None, None
+            logp_btV = torch.log_softmax(logits_BTV[chunk].to(compute_dtype) / temperature, dim=-1)
+            probs_btV = logp_btV.exp()
+            centered_btV = torch.where(probs_btV > 0, logp_btV + entropy_BT[chunk][..., None], 0.0)
+            scale_bt1 = grad_BT[chunk][..., None].to(compute_dtype) / temperature
+            grad_logits_BTV[chunk] = (-probs_btV * centered_btV * scale_bt1).to(grad_logits_BTV.dtype)
+        return grad_logits_BTV, None, None
 
 
 def entropy_from_logits(
@@ -153,7 +176,7 @@ def entropy_from_logits(
     """Entropy H = -sum_v p_v log p_v of softmax(logits / temperature) at every position.
 
     Args:
-        logits_BTV: logits, any float dtype.
+        logits_BTV: logits, any float dtype, contiguous or not; [T, V] and [..., T, V] work too.
         temperature: the sampling temperature.
         chunk_size: tokens upcast to float32 at a time.
 
@@ -162,6 +185,5 @@ def entropy_from_logits(
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be positive, got {temperature}")
-    *batch_shape, vocab = logits_BTV.shape
-    entropy_N = _Entropy.apply(logits_BTV.reshape(-1, vocab), float(temperature), int(chunk_size))
-    return entropy_N.view(batch_shape)
+    entropy_BT = _Entropy.apply(_as_3d(logits_BTV), float(temperature), int(chunk_size))
+    return entropy_BT.view(logits_BTV.shape[:-1])
