@@ -60,6 +60,14 @@ def test_process_rewarder_scores_in_order(shared_rows):
         assert rewarder.score([], []) == []
 
 
+def test_process_rewarder_runs_math_verify_in_its_workers(shared_rows):
+    rows = shared_rows("math/test.jsonl", 3)
+    completions = [row["solution"] for row in rows]
+    completions[0] = "The answer is \\boxed{12345}."
+    with ProcessRewarder(RewarderConfig(reward_fn="math", num_workers=1, timeout_s=60)) as rewarder:
+        assert rewarder.score(completions, [row["answer"] for row in rows]) == [0.0, 1.0, 1.0]
+
+
 def test_a_slow_sample_times_out_and_its_worker_is_replaced():
     with ProcessRewarder(RewarderConfig(reward_fn=slow_reward, num_workers=2, timeout_s=1.0)) as rewarder:
         rewarder.score(["warm up"], ["x"])  # workers started and ready

@@ -24,6 +24,7 @@ SMOLLM2_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_CACHE_ENV = "LLAMARL_SMOLLM2_DIR"
 """Environment variable that overrides the folder `smollm2_path()` converts into."""
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 _DONE_MARKER = ".llamarl-converted"  # written last: a folder without it is never trusted
 
 
@@ -63,15 +64,12 @@ def load_model_and_tokenizer(
     model = AutoModelForCausalLM.from_pretrained(str(name_or_path), dtype=resolve_dtype(dtype))
     model.to(device)
     tokenizer = None
-    if with_tokenizer:
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(str(name_or_path))
-        except (OSError, ValueError, TypeError):
-            # A model folder without tokenizer files (e.g. a saved tiny model): the ids are all we need.
-            if Path(name_or_path).is_dir():
-                tokenizer = None
-            else:
-                raise
+    local = Path(name_or_path)
+    # A local folder without tokenizer files (e.g. a saved tiny test model) has no tokenizer: the
+    # executors work on token ids and need none.
+    has_tokenizer = not local.is_dir() or any((local / f).is_file() for f in _TOKENIZER_FILES)
+    if with_tokenizer and has_tokenizer:
+        tokenizer = AutoTokenizer.from_pretrained(str(name_or_path))
     if tokenizer is not None:
         tokenizer.padding_side = "left"
         if tokenizer.pad_token_id is None:
