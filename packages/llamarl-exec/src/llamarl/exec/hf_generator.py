@@ -99,7 +99,9 @@ class HFGenerator:
         self.model.requires_grad_(False)  # never trained here; lets weight sync copy without autograd
         eos = cfg.eos_token_ids
         if eos is None:
-            eos = self.model.generation_config.eos_token_id or self.model.config.eos_token_id
+            eos = self.model.generation_config.eos_token_id
+        if eos is None:
+            eos = self.model.config.eos_token_id
         if eos is None:
             raise ValueError(f"{cfg.model}: the model defines no eos token; set eos_token_ids")
         self.eos_token_ids = [eos] if isinstance(eos, int) else list(eos)
@@ -191,7 +193,10 @@ class HFGenerator:
         completion_ids_BC = completion_ids_BC[:, :length]
         completion_mask_BC = completion_mask_BC[:, :length]
         completion_ids_BC = completion_ids_BC.masked_fill(completion_mask_BC == 0, self.pad_token_id)
-        behavior_logprobs_BC = (behavior_logprobs_BC[:, :length] * completion_mask_BC).float()
+        # masked_fill, not a product: a padding position may hold -inf, and -inf * 0 is nan.
+        behavior_logprobs_BC = (
+            behavior_logprobs_BC[:, :length].float().masked_fill(completion_mask_BC == 0, 0.0)
+        )
 
         num_sequences = prompt_ids_BP.shape[0]
         elapsed = time.perf_counter() - start

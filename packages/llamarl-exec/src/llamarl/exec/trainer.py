@@ -176,7 +176,7 @@ class PolicyTrainer:
             )
             loss.backward()
             loss_total += float(loss.detach())
-            logprob_sum += float((logprobs_MC.detach() * mask_MC).sum())
+            logprob_sum += float(logprobs_MC.detach().masked_fill(mask_MC == 0, 0.0).sum())
             for name, value in loss_metrics.items():
                 value = float(value)
                 if name in _MAX_METRICS:
@@ -258,5 +258,5 @@ class PolicyTrainer:
             logprobs_MC, length = self._completion_logprobs(
                 batch.prompt_ids_BP[rows], batch.prompt_mask_BP[rows], batch.completion_ids_BC[rows], mask_MC
             )
-            out_BC[rows, :length] = (logprobs_MC * mask_MC[:, :length]).float().cpu()
+            out_BC[rows, :length] = logprobs_MC.masked_fill(mask_MC[:, :length] == 0, 0.0).float().cpu()
         return out_BC
