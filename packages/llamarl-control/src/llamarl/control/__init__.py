@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 _EXPORTS = {
     "ConfigError": "config",
     "RunConfig": "config",
-    "RunFailed": "launch",
-    "launch": "launch",
+    "RunFailed": "launcher",
+    "launch": "launcher",
     "GSM8K": "tasks",
     "MATH": "tasks",
     "TASKS": "tasks",
@@ -38,7 +38,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from llamarl.control.config import ConfigError, RunConfig
-    from llamarl.control.launch import RunFailed, launch
+    from llamarl.control.launcher import RunFailed, launch
     from llamarl.control.tasks import GSM8K, MATH, TASKS, DataError, Example, Task, load_examples
 
 
