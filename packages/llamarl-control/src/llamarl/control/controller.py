@@ -157,7 +157,7 @@ class Controller:
         if not self.is_trainer:
             return None
         summary = self._summary(
-            wall_s=time.perf_counter() - run_start,
+            run_s=time.perf_counter() - run_start,
             loop_s=loop_s,
             eval_start=eval_start,
             eval_end=eval_end,
@@ -332,7 +332,7 @@ class Controller:
     def _summary(
         self,
         *,
-        wall_s: float,
+        run_s: float,
         loop_s: float,
         eval_start: float | None,
         eval_end: float | None,
@@ -352,8 +352,9 @@ class Controller:
             "model": cfg.model,
             "steps": len(records),
             "num_generators": cfg.num_generators,
-            "wall_s": wall_s,
-            "loop_s": loop_s,
+            "wall_s": run_s,  # replaced by the launcher with the whole command's wall time
+            "run_s": run_s,  # evaluations and training on the ranks, after setup
+            "loop_s": loop_s,  # the training ticks alone
             "step_time_s": sum(step_times) / len(step_times) if step_times else loop_s,
             "gen_tokens_per_s": total_tokens / loop_s,
             "num_completion_tokens": total_tokens,
