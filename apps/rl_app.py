@@ -12,7 +12,13 @@ import json
 import sys
 from pathlib import Path
 
-from llamarl.algo import ADVANTAGE_NAMES, POLICY_LOSS_NAMES, get_advantage_estimator, get_policy_loss
+from llamarl.algo import (
+    ADVANTAGE_NAMES,
+    MISMATCH_MODES,
+    POLICY_LOSS_NAMES,
+    get_advantage_estimator,
+    get_policy_loss,
+)
 from llamarl.control import TASKS, ConfigError, DataError, RunConfig, RunFailed, launch, load_examples
 
 CUDA_DEFAULT_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
@@ -57,6 +63,12 @@ def build_parser(task: str) -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="a hyperparameter of the loss, e.g. rho=4 (repeatable)",
     )
+    p.add_argument(
+        "--mismatch-is",
+        choices=sorted(MISMATCH_MODES),
+        help="correct the generator/trainer log-prob mismatch by importance sampling (off by default)",
+    )
+    p.add_argument("--mismatch-cap", type=float, default=2.0, help="cap of the --mismatch-is weights")
     p.add_argument("--lr", type=float, default=defaults.lr)
     p.add_argument("--micro-batch-size", type=int, default=defaults.micro_batch_size)
     p.add_argument("--max-grad-norm", type=float, default=defaults.max_grad_norm)
@@ -91,7 +103,8 @@ def config_from_args(task: str, args: argparse.Namespace, model: str) -> RunConf
         seed=args.seed,
         loss=args.loss,
         advantage=args.advantage,
-        loss_hparams=_loss_hparams(args.loss_arg),
+        loss_hparams=_loss_hparams(args.loss_arg)
+        | ({"mismatch_is": args.mismatch_is, "mismatch_cap": args.mismatch_cap} if args.mismatch_is else {}),
         lr=args.lr,
         micro_batch_size=args.micro_batch_size,
         max_grad_norm=args.max_grad_norm,

@@ -33,7 +33,7 @@ class RunConfig:
     # The algorithm (names resolved by llamarl.algo's registry).
     loss: str = "aipo"  # policy loss
     advantage: str = "group_mean"  # advantage estimator
-    loss_hparams: dict[str, float] = field(default_factory=dict)  # e.g. {"rho": 4.0}
+    loss_hparams: dict[str, float | str] = field(default_factory=dict)  # e.g. {"rho": 4.0}
     lr: float = 3e-6  # AdamW learning rate
     weight_decay: float = 0.0  # AdamW weight decay
     micro_batch_size: int = 4  # sequences per forward/backward pass on the trainer

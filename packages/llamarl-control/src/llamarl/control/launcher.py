@@ -89,6 +89,7 @@ def _rank_main(
     try:
         threads = config.threads_per_rank or _default_threads(config)
         torch.set_num_threads(threads)
+        _quiet_libraries()
         dist.init_process_group("gloo", timeout=timedelta(seconds=config.timeout_s))
         controller = Controller(config, train_examples, eval_examples)
         controller.setup()
@@ -110,6 +111,14 @@ def _rank_main(
             with contextlib.suppress(Exception):
                 controller.close()
         os._exit(1)  # no traceback on stderr: the launcher prints the first failure once
+
+
+def _quiet_libraries() -> None:
+    """Per-rank progress bars of model loading would interleave with the run's own progress bar."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
 
 
 def _default_threads(config: RunConfig) -> int:
