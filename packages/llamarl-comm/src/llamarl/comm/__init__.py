@@ -1,1 +1,53 @@
-"""llamarl.comm"""
+"""llamarl.comm: DDMA weight sync for LLM RL, trainer -> generator shard to shard, over gloo or NCCL.
+
+Torch only; never imports another llamarl package, so it can be embedded in any inference stack.
+
+Public API:
+
+- ``WeightSyncGroup``: a private process group (own TCPStore, own gloo/NCCL group), deadlines on every wait.
+- ``WeightSender`` / ``WeightReceiver``: ``sender.send(policy_version) -> SyncStats``,
+  ``receiver.receive() -> policy_version``, in place or through an engine's loader (``load_fn``).
+- Layouts: ``replicated``, ``tp_shard``, ``fused``, ``DestLayout``, ``SourceLayout`` (FSDP2 DTensors read
+  automatically); ``make_plan`` computes the transfer plan.
+- ``llamarl.comm.testing``: ``run_distributed`` / ``free_port`` for multi-process tests.
+"""
+
+from llamarl.comm._session import SyncStats
+from llamarl.comm.layouts import (
+    DestLayout,
+    DestTensor,
+    Piece,
+    SourceLayout,
+    SourceTensor,
+    fused,
+    named_tensors_of,
+    replicated,
+    source_layout,
+    tp_shard,
+)
+from llamarl.comm.plan import PlanError, TransferPlan, make_plan
+from llamarl.comm.receiver import LoadFn, WeightReceiver
+from llamarl.comm.sender import WeightSender
+from llamarl.comm.transport import WeightSyncError, WeightSyncGroup
+
+__all__ = [
+    "DestLayout",
+    "DestTensor",
+    "LoadFn",
+    "Piece",
+    "PlanError",
+    "SourceLayout",
+    "SourceTensor",
+    "SyncStats",
+    "TransferPlan",
+    "WeightReceiver",
+    "WeightSender",
+    "WeightSyncError",
+    "WeightSyncGroup",
+    "fused",
+    "make_plan",
+    "named_tensors_of",
+    "replicated",
+    "source_layout",
+    "tp_shard",
+]

@@ -1,0 +1,310 @@
+"""What senders and receivers share: publishing layouts, planning, group generations, the sync loop.
+
+Store protocol (keys under the group's prefix, values JSON):
+
+- ``layout/{rank}``: every rank's ``SourceLayout`` or ``DestLayout``; every rank reads all of them and
+  computes the same plan (``plan.make_plan``), so there is no coordinator to agree with.
+- ``gen/requested``: a counter; a restarted receiver bumps it to ask for a new group generation, the
+  announcing source bumps it after a failed sync. ``gen/0/done`` marks that the first generation formed
+  (so a receiver constructed later knows it is rejoining).
+- ``sync/count`` and ``sync/{n}``: the announcing source (the lowest source rank) announces sync ``n``
+  with the generation it runs on and its ``policy_version``; everyone else waits for the announcement,
+  (re)forms the group if the generation moved, then runs its part of the plan.
+- ``held/{rank}``: the ``policy_version`` each receiver holds after its last successful sync.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from llamarl.comm.buckets import (
+    TRAILER_BYTES,
+    bucket_checksum,
+    pack_bucket,
+    read_trailer,
+    unpack_bucket,
+    write_trailer,
+)
+from llamarl.comm.layouts import DestLayout, SourceLayout
+from llamarl.comm.plan import Bucket, Stream, TransferPlan, make_plan
+from llamarl.comm.transport import WeightSyncError, WeightSyncGroup
+
+# Buffers per stream on each rank: one being packed/unpacked while the other is on the wire.
+NUM_SLOTS = 2
+
+
+@dataclass(kw_only=True)
+class SyncStats:
+    """What one sync did on this rank."""
+
+    seconds: float  # wall time of the sync on this rank, announcement included
+    bytes: int  # payload bytes this rank sent (source) or received (destination)
+    buckets: int  # buckets this rank sent or received
+    policy_version: int  # the version synced
+    generation: int  # group generation the sync ran on
+
+
+def _tag(stream: Stream, bucket: Bucket) -> int:
+    # Unique per (stream, bucket) so a message can only ever match its own receive.
+    return (stream.stream_id << 16) | (bucket.index & 0xFFFF)
+
+
+class _Endpoint:
+    """A rank's membership in a weight-sync group: its layout, the plan, the generation, the sync count."""
+
+    def __init__(self, group: WeightSyncGroup, layout: SourceLayout | DestLayout, *, strict: bool) -> None:
+        self.group = group
+        self.rank = group.rank
+        self.layout = layout
+        self.strict = strict
+        self.plan: TransferPlan | None = None
+        self._sync_index = 0  # index of the last sync this rank took part in (or skipped)
+        self._min_generation = 0  # a rejoining receiver ignores syncs announced before its request
+        self._buffers: dict[tuple[int, int], torch.Tensor] = {}
+        group.put(f"layout/{self.rank}", layout.to_json())
+
+    # ----------------------------------------------------------------------------------------------
+
+    def _read_layouts(self) -> tuple[dict[int, SourceLayout], dict[int, DestLayout]]:
+        sources: dict[int, SourceLayout] = {}
+        dests: dict[int, DestLayout] = {}
+        for r in range(self.group.world_size):
+            data = self.group.get(f"layout/{r}", peer=r)
+            if data["role"] == "source":
+                sources[r] = SourceLayout.from_json(data)
+            else:
+                dests[r] = DestLayout.from_json(data)
+        return sources, dests
+
+    def _replan(self) -> TransferPlan:
+        sources, dests = self._read_layouts()
+        first = sources[min(sources)] if sources else None
+        if first is not None and any(
+            (s.bucket_bytes, s.checksum) != (first.bucket_bytes, first.checksum) for s in sources.values()
+        ):
+            raise WeightSyncError("source ranks disagree on bucket_bytes or checksum")
+        try:
+            self.plan = make_plan(
+                sources, dests, bucket_bytes=first.bucket_bytes if first else 64 << 20, strict=self.strict
+            )
+        except ValueError as exc:
+            raise WeightSyncError(f"rank {self.rank}: weight layouts do not match: {exc}") from exc
+        self.checksum = bool(first.checksum) if first else True
+        self._buffers.clear()
+        return self.plan
+
+    def _form(self, generation: int) -> None:
+        """Move to ``generation``: re-read every layout (a rejoined rank republished its own) and form."""
+        self._replan()
+        self.group.form(generation)
+
+    @property
+    def announcer(self) -> int:
+        assert self.plan is not None
+        return min(self.plan.source_ranks)
+
+    def _buffer(self, stream: Stream, slot: int) -> torch.Tensor:
+        key = (stream.stream_id, slot)
+        buf = self._buffers.get(key)
+        if buf is None:
+            size = max(b.payload_bytes for b in stream.buckets) + TRAILER_BYTES
+            buf = torch.empty(size, dtype=torch.uint8, device=self.group.device)
+            self._buffers[key] = buf
+        return buf
+
+    # ----------------------------------------------------------------------------------------------
+    # One sync
+
+    def _run(
+        self,
+        *,
+        sync_index: int,
+        policy_version: int,
+        locals_: dict[str, tuple[torch.Tensor, tuple[int, ...]]] | None,
+        dst_tensors: dict[str, torch.Tensor] | None,
+    ) -> tuple[int, int]:
+        """Run this rank's part of the plan. Returns ``(payload bytes, buckets)`` handled here.
+
+        Sources pack bucket k+1 while bucket k is on the wire; destinations keep the next receive posted
+        while they verify, forward and unpack the current one.
+        """
+        plan = self.plan
+        assert plan is not None
+        group = self.group
+        schedule = plan.schedule(self.rank)
+        sends: dict[tuple[int, int], tuple[Any, int, int]] = {}  # (stream, slot) -> (work, peer, bucket)
+        recvs: dict[tuple[int, int], Any] = {}
+        total_bytes = 0
+
+        def wait_send(key: tuple[int, int]) -> None:
+            pending = sends.pop(key, None)
+            if pending is not None:
+                work, peer, bucket_index = pending
+                group.wait(work, peer=peer, what="sending weights", bucket=bucket_index)
+
+        def post_recv(stream: Stream, index: int) -> None:
+            if index < len(stream.buckets):
+                bucket = stream.buckets[index]
+                slot = index % NUM_SLOTS
+                buf = self._buffer(stream, slot)[: bucket.payload_bytes + TRAILER_BYTES]
+                recvs[(stream.stream_id, slot)] = group.recv(
+                    buf, stream.upstream(self.rank), _tag(stream, bucket)
+                )
+
+        # Post the first receives of every incoming stream up front: gloo only moves a message once
+        # its receive is posted, so this is what lets all sources start at once.
+        for stream in plan.streams:
+            if self.rank in stream.chain:
+                for i in range(NUM_SLOTS):
+                    post_recv(stream, i)
+
+        for stream, bucket in schedule:
+            slot = bucket.index % NUM_SLOTS
+            key = (stream.stream_id, slot)
+            n = bucket.payload_bytes
+            if stream.src == self.rank:
+                assert locals_ is not None
+                wait_send(key)  # the buffer's previous bucket must be on the wire before reuse
+                buf = self._buffer(stream, slot)
+                pack_bucket(buf, bucket, locals_)
+                write_trailer(
+                    buf,
+                    bucket,
+                    stream_id=stream.stream_id,
+                    policy_version=policy_version,
+                    sync_index=sync_index,
+                    checksum=self.checksum,
+                )
+                work = group.send(buf[: n + TRAILER_BYTES], stream.chain[0], _tag(stream, bucket))
+                sends[key] = (work, stream.chain[0], bucket.index)
+            else:
+                assert dst_tensors is not None
+                upstream = stream.upstream(self.rank)
+                group.wait(recvs.pop(key), peer=upstream, what="receiving weights", bucket=bucket.index)
+                buf = self._buffer(stream, slot)
+                self._verify(
+                    buf, bucket, stream, upstream, policy_version=policy_version, sync_index=sync_index
+                )
+                downstream = stream.downstream(self.rank)
+                if downstream is not None:
+                    # Forward the raw bucket (trailer included) before unpacking: the next replica
+                    # receives while this one copies.
+                    work = group.send(buf[: n + TRAILER_BYTES], downstream, _tag(stream, bucket))
+                    sends[key] = (work, downstream, bucket.index)
+                unpack_bucket(buf, bucket, dst_tensors)
+                wait_send(key)
+                post_recv(stream, bucket.index + NUM_SLOTS)
+            total_bytes += n
+        for key in list(sends):
+            wait_send(key)
+        return total_bytes, len(schedule)
+
+    def _verify(
+        self,
+        buf: torch.Tensor,
+        bucket: Bucket,
+        stream: Stream,
+        upstream: int,
+        *,
+        policy_version: int,
+        sync_index: int,
+    ) -> None:
+        got_sum, got_version, got_sync, got_stream, got_bucket = read_trailer(buf, bucket)
+        where = f"bucket {bucket.index} of stream {stream.stream_id} from peer rank {upstream}"
+        if (got_version, got_sync, got_stream, got_bucket) != (
+            policy_version,
+            sync_index,
+            stream.stream_id,
+            bucket.index,
+        ):
+            raise WeightSyncError(
+                f"rank {self.rank}: {where} is (version {got_version}, sync {got_sync}, stream {got_stream}, "
+                f"bucket {got_bucket}), expected (version {policy_version}, sync {sync_index}, "
+                f"stream {stream.stream_id}, bucket {bucket.index})",
+                peer=upstream,
+                bucket=bucket.index,
+            )
+        if self.checksum:
+            want = bucket_checksum(buf[: bucket.payload_bytes])
+            if want != got_sum:
+                raise WeightSyncError(
+                    f"rank {self.rank}: checksum mismatch in {where}: computed {want}, sent {got_sum}",
+                    peer=upstream,
+                    bucket=bucket.index,
+                )
+
+    # ----------------------------------------------------------------------------------------------
+    # Announcements
+
+    def _announce(self, policy_version: int) -> tuple[int, int]:
+        """(Announcing source) pick the generation for the next sync and announce it."""
+        group = self.group
+        requested = group.add("gen/requested", 0)
+        if not group.formed or group.generation is None:
+            generation = group.add("gen/requested", 1)  # after a failure: a fresh generation for all
+        elif requested > group.generation:
+            generation = requested  # a receiver restarted and asked for this one
+        else:
+            generation = group.generation
+        n = self._sync_index + 1
+        group.put(f"sync/{n}", {"generation": generation, "policy_version": policy_version})
+        group.add("sync/count", 1)
+        return n, generation
+
+    def _await_announcement(self, timeout_s: float | None) -> tuple[int, int, int]:
+        """(Everyone else) wait for the next announced sync this rank should take part in."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            n = self._sync_index + 1
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            data = self.group.get(f"sync/{n}", peer=self.announcer_hint(), timeout_s=remaining)
+            if data["generation"] < self._min_generation:
+                # Announced before our rejoin request reached the sender; it fails without us.
+                self._sync_index = n
+                continue
+            return n, int(data["generation"]), int(data["policy_version"])
+
+    def announcer_hint(self) -> int | None:
+        return self.announcer if self.plan is not None else None
+
+    def _sync(
+        self,
+        *,
+        announce_version: int | None,
+        timeout_s: float | None,
+        get_locals: Callable[[], dict[str, tuple[torch.Tensor, tuple[int, ...]]]] | None,
+        dst_tensors: dict[str, torch.Tensor] | None,
+    ) -> SyncStats:
+        start = time.perf_counter()
+        if announce_version is not None:
+            n, generation = self._announce(announce_version)
+            policy_version = announce_version
+        else:
+            n, generation, policy_version = self._await_announcement(timeout_s)
+        try:
+            if generation != self.group.generation or not self.group.formed:
+                self._form(generation)
+            num_bytes, num_buckets = self._run(
+                sync_index=n,
+                policy_version=policy_version,
+                locals_=get_locals() if get_locals is not None else None,
+                dst_tensors=dst_tensors,
+            )
+        except BaseException:
+            # The group may hold half-delivered messages or dead peers: never reuse it.
+            self.group.invalidate()
+            self._sync_index = n
+            raise
+        self._sync_index = n
+        return SyncStats(
+            seconds=time.perf_counter() - start,
+            bytes=num_bytes,
+            buckets=num_buckets,
+            policy_version=policy_version,
+            generation=generation,
+        )

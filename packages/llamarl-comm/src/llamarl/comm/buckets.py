@@ -1,0 +1,133 @@
+"""Packing plan entries into flat byte buckets and back, with a cheap checksum per bucket.
+
+A bucket on the wire is ``payload_bytes`` of entries (each 8-byte aligned, see ``plan.Entry``) followed
+by a 32-byte trailer of four int64 words: checksum, policy_version, sync index, stream/bucket id.
+The checksum is the wrapping sum of the payload read as int64 words: one memory pass, computed by torch,
+independent of summation order, and it catches truncated, shifted, stale or zeroed buckets (it is not a
+cryptographic hash: it guards against bugs and torn transfers, not adversaries).
+
+Precision on the wire (``plan.wire_kind``): ``bfloat16`` boxes are a plain cast; ``float8_e4m3fn`` boxes
+hold ``sizes[0]`` float32 scales (one per leading row: ``amax(|row|) / 448``) then the fp8 values.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from llamarl.comm.layouts import dtype_from_str
+from llamarl.comm.plan import BF16, FP8, Bucket, Entry
+
+__all__ = [
+    "FP8_MAX",
+    "TRAILER_BYTES",
+    "bucket_checksum",
+    "pack_bucket",
+    "read_trailer",
+    "unpack_bucket",
+    "write_trailer",
+]
+
+TRAILER_BYTES = 32
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def _box(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[slice, ...]:
+    return tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))
+
+
+def bucket_checksum(payload_u8: torch.Tensor) -> int:
+    """Wrapping int64 sum of a payload (uint8, length a multiple of 8) read as int64 words."""
+    return int(payload_u8.view(torch.int64).sum())
+
+
+def _fp8_rows(sizes: tuple[int, ...]) -> int:
+    return sizes[0] if sizes else 1
+
+
+def pack_entry(
+    buf_u8: torch.Tensor, entry: Entry, local: torch.Tensor, local_offsets: tuple[int, ...]
+) -> None:
+    """Copy ``entry``'s box out of ``local`` (a source rank's tensor whose box starts at ``local_offsets``
+    in the full parameter) into the bucket, casting for the wire."""
+    region = local[
+        _box(tuple(o - lo for o, lo in zip(entry.src_offsets, local_offsets, strict=True)), entry.sizes)
+    ]
+    numel = math.prod(entry.sizes)
+    at = entry.byte_offset
+    if entry.wire == "raw":
+        dtype = dtype_from_str(entry.src_dtype)
+        buf_u8[at : at + numel * dtype.itemsize].view(dtype).view(entry.sizes).copy_(region)
+    elif entry.wire == BF16:
+        buf_u8[at : at + numel * 2].view(torch.bfloat16).view(entry.sizes).copy_(region)
+    elif entry.wire == FP8:
+        rows = _fp8_rows(entry.sizes)
+        rows_x = region.reshape(rows, -1).float()
+        scale_r = (rows_x.abs().amax(dim=1) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+        buf_u8[at : at + 4 * rows].view(torch.float32).copy_(scale_r)
+        data = buf_u8[at + 4 * rows : at + 4 * rows + numel].view(torch.float8_e4m3fn).view(rows, -1)
+        data.copy_((rows_x / scale_r[:, None]).clamp_(-FP8_MAX, FP8_MAX))
+    else:
+        raise ValueError(f"unknown wire kind {entry.wire!r}")
+
+
+def unpack_entry(buf_u8: torch.Tensor, entry: Entry, dst: torch.Tensor) -> None:
+    """Copy ``entry``'s box from the bucket into the local destination tensor ``dst``, in place."""
+    target = dst[_box(entry.dst_offsets, entry.sizes)]
+    numel = math.prod(entry.sizes)
+    at = entry.byte_offset
+    if entry.wire == "raw":
+        dtype = dtype_from_str(entry.src_dtype)
+        target.copy_(buf_u8[at : at + numel * dtype.itemsize].view(dtype).view(entry.sizes))
+    elif entry.wire == BF16:
+        target.copy_(buf_u8[at : at + numel * 2].view(torch.bfloat16).view(entry.sizes))
+    elif entry.wire == FP8:
+        rows = _fp8_rows(entry.sizes)
+        scale_r = buf_u8[at : at + 4 * rows].view(torch.float32)
+        data = buf_u8[at + 4 * rows : at + 4 * rows + numel].view(torch.float8_e4m3fn).view(rows, -1)
+        target.copy_((data.float() * scale_r[:, None]).view(entry.sizes))
+    else:
+        raise ValueError(f"unknown wire kind {entry.wire!r}")
+
+
+def pack_bucket(
+    buf_u8: torch.Tensor,
+    bucket: Bucket,
+    locals_: dict[str, tuple[torch.Tensor, tuple[int, ...]]],
+) -> None:
+    """Fill ``buf_u8[:bucket.payload_bytes]`` from the source's ``{name: (local tensor, box offsets)}``."""
+    for entry in bucket.entries:
+        local, offsets = locals_[entry.src_name]
+        pack_entry(buf_u8, entry, local, offsets)
+
+
+def unpack_bucket(buf_u8: torch.Tensor, bucket: Bucket, dst_tensors: dict[str, torch.Tensor]) -> None:
+    """Scatter a received bucket into the destination tensors ``{engine name: local tensor}``."""
+    for entry in bucket.entries:
+        unpack_entry(buf_u8, entry, dst_tensors[entry.dst_name])
+
+
+def write_trailer(
+    buf_u8: torch.Tensor,
+    bucket: Bucket,
+    *,
+    stream_id: int,
+    policy_version: int,
+    sync_index: int,
+    checksum: bool,
+) -> None:
+    """Write the trailer after the payload (checksum 0 when checksums are off)."""
+    n = bucket.payload_bytes
+    total = bucket_checksum(buf_u8[:n]) if checksum else 0
+    words = torch.tensor(
+        [total, policy_version, sync_index, (stream_id << 32) | bucket.index], dtype=torch.int64
+    )
+    buf_u8[n : n + TRAILER_BYTES].view(torch.int64).copy_(words)
+
+
+def read_trailer(buf_u8: torch.Tensor, bucket: Bucket) -> tuple[int, int, int, int, int]:
+    """``(checksum, policy_version, sync_index, stream_id, bucket_index)`` from a received bucket."""
+    n = bucket.payload_bytes
+    total, version, sync_index, ident = buf_u8[n : n + TRAILER_BYTES].view(torch.int64).tolist()
+    return total, version, sync_index, ident >> 32, ident & 0xFFFFFFFF

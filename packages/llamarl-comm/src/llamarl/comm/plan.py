@@ -1,0 +1,447 @@
+"""Transfer plans: from source and destination layouts to streams of buckets, computed identically on
+every rank (pure functions, no processes, unit-testable).
+
+How a plan is made:
+
+1. Destination ranks with identical layouts (data-parallel replicas) form a *replica class*; the class
+   is planned once, as if it were one rank.
+2. Each piece a class needs is cut along the boundaries of the source boxes that overlap it (the grid of
+   their edges); each cell comes straight from a source rank that holds it whole, the least loaded one
+   so far (so a replicated trainer spreads the work, and an FSDP2 trainer sends each shard from its
+   owner): nothing is gathered on one rank.
+3. Cells from one source rank to one class form a *stream*, delivered along a relay chain: the source
+   sends each bucket to the class's first member, which forwards it to the next while unpacking it
+   itself (a pipelined chain broadcast: the source sends the bytes once, not once per replica). Chains
+   of different streams start at different members so the forwarding load is spread.
+4. Each stream is packed into buckets of at most ``bucket_bytes`` payload; boxes too large for the space
+   left are split along their leading dims. On the wire a box may change precision (``wire_kind``).
+
+Every rank runs its part of all streams in one global order, bucket index first, then stream id
+(``TransferPlan.schedule``), which is what keeps the point-to-point traffic deadlock-free.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from llamarl.comm.layouts import DestLayout, SourceLayout, dtype_from_str
+
+__all__ = [
+    "ALIGN_BYTES",
+    "Bucket",
+    "Entry",
+    "PlanError",
+    "Stream",
+    "TransferPlan",
+    "entry_nbytes",
+    "make_plan",
+    "wire_kind",
+]
+
+Shape = tuple[int, ...]
+
+# Every entry starts on an 8-byte boundary, so any dtype can be viewed in place and the checksum can
+# read the bucket as int64 words.
+ALIGN_BYTES = 8
+FP8 = "float8_e4m3fn"
+BF16 = "bfloat16"
+
+
+class PlanError(ValueError):
+    """The layouts do not fit together (a name, shape or dtype mismatch, a slice no source holds)."""
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
+
+
+def wire_kind(src_dtype: str, ndim: int, wire_dtype: str | None) -> str:
+    """How a tensor travels: ``"raw"`` (its own bytes), ``"bfloat16"`` or ``"float8_e4m3fn"``.
+
+    Only floating tensors wider than the wire type are cast; fp8 (e4m3, one float32 scale per row of
+    the box) applies to tensors of 2 or more dims (linear and embedding weights), while 1-d tensors
+    (norms, biases), whose precision matters more and whose size does not, go as bf16.
+    """
+    dtype = dtype_from_str(src_dtype)
+    if wire_dtype is None or not dtype.is_floating_point:
+        return "raw"
+    if wire_dtype == FP8 and ndim >= 2 and dtype.itemsize > 1:
+        return FP8
+    if wire_dtype in (BF16, FP8) and dtype.itemsize > 2:
+        return BF16
+    if wire_dtype not in (BF16, FP8):
+        raise PlanError(f"unsupported wire dtype {wire_dtype!r} (use bfloat16 or float8_e4m3fn)")
+    return "raw"
+
+
+def entry_nbytes(sizes: Shape, src_dtype: str, wire: str) -> int:
+    """Bytes a box of ``sizes`` takes in a bucket (aligned). fp8 boxes carry ``sizes[0]`` float32 scales."""
+    numel = math.prod(sizes)
+    if wire == "raw":
+        return _align(numel * dtype_from_str(src_dtype).itemsize)
+    if wire == BF16:
+        return _align(numel * 2)
+    if wire == FP8:
+        return _align(4 * (sizes[0] if sizes else 1) + numel)
+    raise PlanError(f"unknown wire kind {wire!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Entry:
+    """One box in a bucket: read from the source's local tensor, written into the destination's."""
+
+    src_name: str  # trainer's parameter name
+    src_offsets: Shape  # box start in the full source parameter
+    sizes: Shape  # box shape
+    src_dtype: str  # dtype held by the source
+    wire: str  # "raw", "bfloat16" or "float8_e4m3fn"
+    dst_name: str  # engine's tensor name (same for every member of the replica class)
+    dst_offsets: Shape  # box start in the local destination tensor
+    byte_offset: int  # where the box starts in the bucket
+    nbytes: int  # bytes it takes (aligned)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Bucket:
+    """A flat buffer's worth of entries."""
+
+    index: int  # position in its stream
+    entries: tuple[Entry, ...]  # in byte order
+    payload_bytes: int  # sum of the entries' (aligned) sizes
+
+
+@dataclass(frozen=True, kw_only=True)
+class Stream:
+    """Everything one source rank sends to one replica class, relayed along ``chain``."""
+
+    stream_id: int  # position in the plan
+    src: int  # source group rank
+    chain: tuple[int, ...]  # destination group ranks: src -> chain[0] -> chain[1] -> ...
+    buckets: tuple[Bucket, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Payload bytes of the whole stream."""
+        return sum(b.payload_bytes for b in self.buckets)
+
+    def upstream(self, rank: int) -> int:
+        """Who sends this stream's buckets to ``rank`` (a member of the chain)."""
+        i = self.chain.index(rank)
+        return self.src if i == 0 else self.chain[i - 1]
+
+    def downstream(self, rank: int) -> int | None:
+        """Who ``rank`` forwards this stream's buckets to, if anyone."""
+        if rank == self.src:
+            return self.chain[0]
+        i = self.chain.index(rank)
+        return self.chain[i + 1] if i + 1 < len(self.chain) else None
+
+
+@dataclass(kw_only=True)
+class TransferPlan:
+    """All streams of one sync; the same object on every rank."""
+
+    streams: list[Stream] = field(default_factory=list)
+    source_ranks: tuple[int, ...] = ()
+    dest_ranks: tuple[int, ...] = ()
+    bucket_bytes: int = 0  # payload limit used to cut the buckets
+
+    def schedule(self, rank: int) -> list[tuple[Stream, Bucket]]:
+        """``rank``'s part of the sync, in the global order (bucket index, then stream id)."""
+        mine = [s for s in self.streams if s.src == rank or rank in s.chain]
+        num_rounds = max((len(s.buckets) for s in mine), default=0)
+        return [(s, s.buckets[i]) for i in range(num_rounds) for s in mine if i < len(s.buckets)]
+
+    def bytes_sent_by(self) -> dict[int, int]:
+        """Payload bytes each source rank puts on the wire (relays not counted)."""
+        out = dict.fromkeys(self.source_ranks, 0)
+        for s in self.streams:
+            out[s.src] += s.nbytes
+        return out
+
+    def num_buckets(self) -> int:
+        """Buckets in the plan (each sent once by its source)."""
+        return sum(len(s.buckets) for s in self.streams)
+
+    def describe(self) -> str:
+        """One line per stream: who sends how much to whom."""
+        lines = [
+            f"plan: {len(self.streams)} streams, {self.num_buckets()} buckets of <= {self.bucket_bytes} B"
+        ]
+        for s in self.streams:
+            chain = " -> ".join(str(r) for r in s.chain)
+            lines.append(
+                f"  stream {s.stream_id}: {s.src} -> {chain}: {s.nbytes} B in {len(s.buckets)} buckets"
+            )
+        return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------------
+# Planning
+
+
+@dataclass(frozen=True)
+class _Cell:
+    src_name: str
+    src_offsets: Shape
+    sizes: Shape
+    src_dtype: str
+    dst_name: str
+    dst_offsets: Shape
+
+
+def _box_contains(outer_off: Shape, outer_sz: Shape, off: Shape, sz: Shape) -> bool:
+    return all(o <= a and a + s <= o + z for o, z, a, s in zip(outer_off, outer_sz, off, sz, strict=True))
+
+
+def _check_sources(sources: Mapping[int, SourceLayout]) -> tuple[dict[str, tuple[Shape, str]], str | None]:
+    """Sources must agree on every parameter's full shape and dtype, and on the wire dtype."""
+    meta: dict[str, tuple[Shape, str]] = {}
+    wire_dtypes = {layout.wire_dtype for layout in sources.values()}
+    if len(wire_dtypes) > 1:
+        raise PlanError(f"source ranks disagree on the wire dtype: {sorted(map(str, wire_dtypes))}")
+    for rank, layout in sorted(sources.items()):
+        for t in layout.tensors.values():
+            if not _box_contains((0,) * len(t.full_shape), t.full_shape, t.offsets, t.sizes):
+                raise PlanError(
+                    f"source rank {rank}: {t.name} box {t.offsets}+{t.sizes} outside {t.full_shape}"
+                )
+            seen = meta.setdefault(t.name, (t.full_shape, t.dtype))
+            if seen != (t.full_shape, t.dtype):
+                raise PlanError(
+                    f"source ranks disagree on {t.name}: {seen} vs {(t.full_shape, t.dtype)} (rank {rank})"
+                )
+    return meta, next(iter(wire_dtypes)) if wire_dtypes else None
+
+
+def _split_cells(
+    piece_src_off: Shape, sizes: Shape, holders: list[tuple[int, Shape, Shape]]
+) -> list[tuple[Shape, Shape, list[int]]]:
+    """Cut a box along the edges of the source boxes overlapping it; return ``(offsets, sizes,
+    holder_ranks)`` for each cell (holder_ranks: sources holding the cell whole)."""
+    cuts_per_dim = []
+    for d, (o, s) in enumerate(zip(piece_src_off, sizes, strict=True)):
+        cuts = {o, o + s}
+        for _, h_off, h_sz in holders:
+            for c in (h_off[d], h_off[d] + h_sz[d]):
+                if o < c < o + s:
+                    cuts.add(c)
+        cuts_per_dim.append(sorted(cuts))
+    cells = []
+    for intervals in itertools.product(*(list(itertools.pairwise(c)) for c in cuts_per_dim)):
+        off = tuple(a for a, _ in intervals)
+        sz = tuple(b - a for a, b in intervals)
+        owners = [r for r, h_off, h_sz in holders if _box_contains(h_off, h_sz, off, sz)]
+        cells.append((off, sz, owners))
+    return cells
+
+
+def _bucketize(cells: list[_Cell], wire_dtype: str | None, bucket_bytes: int) -> tuple[Bucket, ...]:
+    """Pack cells into buckets of at most ``bucket_bytes`` payload, splitting boxes that do not fit."""
+    buckets: list[Bucket] = []
+    entries: list[Entry] = []
+    used = 0
+
+    def close() -> None:
+        nonlocal entries, used
+        if entries:
+            buckets.append(Bucket(index=len(buckets), entries=tuple(entries), payload_bytes=used))
+        entries, used = [], 0
+
+    # Work items: (cell, delta offsets within the cell, sizes)
+    todo: list[tuple[_Cell, Shape, Shape]] = [(c, (0,) * len(c.sizes), c.sizes) for c in cells]
+    todo.reverse()  # used as a stack
+    while todo:
+        cell, delta, sizes = todo.pop()
+        wire = wire_kind(cell.src_dtype, len(cell.sizes), wire_dtype)
+
+        def cost(sz: Shape, _cell: _Cell = cell, _wire: str = wire) -> int:
+            return entry_nbytes(sz, _cell.src_dtype, _wire)
+
+        fit = _split_to_fit(delta, sizes, cost, bucket_bytes - used)
+        if fit is None:
+            if not entries:
+                raise PlanError(f"bucket_bytes={bucket_bytes} cannot hold one element of {cell.src_name}")
+            close()
+            todo.append((cell, delta, sizes))
+            continue
+        (h_delta, h_sizes), rest = fit
+        nbytes = cost(h_sizes)
+        entries.append(
+            Entry(
+                src_name=cell.src_name,
+                src_offsets=tuple(a + b for a, b in zip(cell.src_offsets, h_delta, strict=True)),
+                sizes=h_sizes,
+                src_dtype=cell.src_dtype,
+                wire=wire,
+                dst_name=cell.dst_name,
+                dst_offsets=tuple(a + b for a, b in zip(cell.dst_offsets, h_delta, strict=True)),
+                byte_offset=used,
+                nbytes=nbytes,
+            )
+        )
+        used += nbytes
+        if rest:
+            close()  # the remainder did not fit: this bucket is full
+            todo.extend((cell, d, s) for d, s in reversed(rest))
+    close()
+    return tuple(buckets)
+
+
+def _split_to_fit(
+    delta: Shape, sizes: Shape, cost: Callable[[Shape], int], space: int
+) -> tuple[tuple[Shape, Shape], list[tuple[Shape, Shape]]] | None:
+    """The largest leading part of a box that fits in ``space`` bytes, and the rest (in order).
+
+    Splits along the first dim longer than 1; if not even one slab along it fits, splits that slab
+    further. Returns None when nothing fits.
+    """
+    if cost(sizes) <= space:
+        return (delta, sizes), []
+    dims = [d for d, s in enumerate(sizes) if s > 1]
+    if not dims:
+        return None
+    d = dims[0]
+
+    def with_len(n: int) -> Shape:
+        return tuple(n if i == d else s for i, s in enumerate(sizes))
+
+    lo, hi = 0, sizes[d]  # largest n with cost(n slabs) <= space; cost grows with n
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if cost(with_len(mid)) <= space:
+            lo = mid
+        else:
+            hi = mid - 1
+    rest_delta = tuple(x + (lo if i == d else 0) for i, x in enumerate(delta))
+    if lo > 0:
+        return (delta, with_len(lo)), [(rest_delta, with_len(sizes[d] - lo))]
+    # Not even one slab fits: split the first slab along its next dims.
+    sub = _split_to_fit(delta, with_len(1), cost, space)
+    if sub is None:
+        return None
+    head, sub_rest = sub
+    after = (tuple(x + (1 if i == d else 0) for i, x in enumerate(delta)), with_len(sizes[d] - 1))
+    return head, [*sub_rest, after]
+
+
+def make_plan(
+    sources: Mapping[int, SourceLayout],
+    dests: Mapping[int, DestLayout],
+    *,
+    bucket_bytes: int = 64 << 20,
+    strict: bool = True,
+) -> TransferPlan:
+    """Compute the transfer plan from every rank's layout (keys: group ranks).
+
+    ``strict``: every source parameter must be wanted by some destination (catches name mismatches on
+    both sides). Raises ``PlanError`` with the rank and name at fault when the layouts do not fit.
+    """
+    if bucket_bytes < 64:
+        raise PlanError(f"bucket_bytes={bucket_bytes} is too small")
+    if not sources:
+        raise PlanError("no source rank in the group")
+    if set(sources) & set(dests):
+        raise PlanError(f"ranks {sorted(set(sources) & set(dests))} are both source and destination")
+    meta, wire_dtype = _check_sources(sources)
+    holders_by_name: dict[str, list[tuple[int, Shape, Shape]]] = {}
+    for rank, layout in sorted(sources.items()):
+        for t in layout.tensors.values():
+            if math.prod(t.sizes) > 0:
+                holders_by_name.setdefault(t.name, []).append((rank, t.offsets, t.sizes))
+
+    # 1. Replica classes: destination ranks with identical layouts.
+    classes: dict[str, list[int]] = {}
+    for rank, layout in sorted(dests.items()):
+        classes.setdefault(json.dumps(layout.to_json(), sort_keys=True), []).append(rank)
+
+    load = dict.fromkeys(sources, 0)
+    used_names: set[str] = set()
+    streams: list[Stream] = []
+    for members in classes.values():
+        layout = dests[members[0]]
+        cells_by_src: dict[int, list[_Cell]] = {}
+        for t in layout.tensors.values():
+            covered = 0
+            for p in t.pieces:
+                if p.src_name not in meta:
+                    raise PlanError(
+                        f"destination rank {members[0]}: tensor {t.name!r} needs {p.src_name!r}, which no "
+                        f"source rank holds (source names: {sorted(meta)[:8]}...)"
+                    )
+                full_shape, src_dtype = meta[p.src_name]
+                if not _box_contains((0,) * len(full_shape), full_shape, p.src_offsets, p.sizes):
+                    raise PlanError(
+                        f"destination rank {members[0]}: {t.name!r} wants "
+                        f"{p.src_name}[{p.src_offsets}+{p.sizes}], outside its shape {full_shape} "
+                        "on the source"
+                    )
+                if not _box_contains((0,) * len(t.shape), t.shape, p.dst_offsets, p.sizes):
+                    raise PlanError(
+                        f"destination rank {members[0]}: piece {p} falls outside {t.name} {t.shape}"
+                    )
+                if t.dtype != src_dtype and (
+                    wire_dtype is None
+                    or not dtype_from_str(t.dtype).is_floating_point
+                    or not dtype_from_str(src_dtype).is_floating_point
+                ):
+                    raise PlanError(
+                        f"dtype mismatch for {t.name!r} on destination rank {members[0]}: "
+                        f"source {p.src_name} is {src_dtype}, destination is {t.dtype} "
+                        "(set the sender's wire_dtype to cast floats)"
+                    )
+                used_names.add(p.src_name)
+                covered += math.prod(p.sizes)
+                for off, sz, owners in _split_cells(
+                    p.src_offsets, p.sizes, holders_by_name.get(p.src_name, [])
+                ):
+                    if not owners:
+                        raise PlanError(
+                            f"{p.src_name}[{off}+{sz}] (for {t.name}) is held whole by no source rank"
+                        )
+                    src = min(owners, key=lambda r: (load[r], r))
+                    load[src] += math.prod(sz) * dtype_from_str(src_dtype).itemsize
+                    dst_off = tuple(
+                        d + (o - s) for d, o, s in zip(p.dst_offsets, off, p.src_offsets, strict=True)
+                    )
+                    cells_by_src.setdefault(src, []).append(
+                        _Cell(p.src_name, off, sz, src_dtype, t.name, dst_off)
+                    )
+            if covered != math.prod(t.shape):
+                raise PlanError(
+                    f"destination rank {members[0]}: the pieces of {t.name!r} cover {covered} of "
+                    f"{math.prod(t.shape)} elements"
+                )
+        for src, cells in sorted(cells_by_src.items()):
+            # Rotate chains so the forwarding work of a class is spread over its members.
+            k = len(streams) % len(members)
+            chain = tuple(members[k:] + members[:k])
+            buckets = _bucketize(cells, wire_dtype, bucket_bytes)
+            streams.append(Stream(stream_id=len(streams), src=src, chain=chain, buckets=buckets))
+
+    if strict:
+        unused = sorted(set(meta) - used_names)
+        if unused:
+            raise PlanError(
+                f"source parameters no destination wants: {unused[:8]}{'...' if len(unused) > 8 else ''} "
+                "(a name mismatch? pass strict=False to allow)"
+            )
+    return TransferPlan(
+        streams=streams,
+        source_ranks=tuple(sorted(sources)),
+        dest_ranks=tuple(sorted(dests)),
+        bucket_bytes=bucket_bytes,
+    )
+
+
+def plan_summary(plan: TransferPlan) -> dict[str, int]:
+    """Counts for logs and tests."""
+    return {
+        "num_streams": len(plan.streams),
+        "num_buckets": plan.num_buckets(),
+        "payload_bytes": sum(s.nbytes for s in plan.streams),
+    }

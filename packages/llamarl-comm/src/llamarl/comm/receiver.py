@@ -1,0 +1,118 @@
+"""The engine side: ``WeightReceiver`` receives the policy into local tensors or an engine's loader."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+
+import torch
+
+from llamarl.comm._session import SyncStats, _Endpoint
+from llamarl.comm.layouts import DestLayout, dtype_from_str, named_tensors_of, replicated
+from llamarl.comm.transport import WeightSyncError, WeightSyncGroup
+
+__all__ = ["LoadFn", "WeightReceiver"]
+
+# An engine's own weight loader: takes (name, tensor) pairs, e.g. vLLM's
+# ``model_runner.reload_weights(weights_iterator=..., is_checkpoint_format=True)``.
+LoadFn = Callable[[Iterable[tuple[str, torch.Tensor]]], None]
+
+
+class WeightReceiver:
+    """Receives weights from the source ranks of ``group`` into this destination rank.
+
+    ``named_tensors_or_module``: the destination tensors by (engine) name, or a module (its parameters
+    and persistent buffers). Without ``layout`` each tensor is a whole parameter under the trainer's
+    name; with ``layout`` (a ``DestLayout`` built with ``tp_shard`` / ``fused`` / ``replicated``) its
+    tensors may be tensor-parallel shards or fused parameters, and ``named_tensors_or_module`` must hold
+    a tensor of the layout's shape under each of the layout's names.
+
+    Without ``load_fn`` received bytes are written into those tensors in place. With ``load_fn`` (for
+    engines that repack weights, e.g. vLLM's CPU backend) the tensors only describe shapes and dtypes
+    (``meta`` tensors are fine): the receiver assembles each tensor in a staging buffer of its own and,
+    once the whole sync is verified, calls ``load_fn`` once with an iterable of ``(name, tensor)`` pairs.
+
+    ``src_rank`` is kept for the single-trainer case and checked against the plan. A receiver
+    constructed after its group already ran (a restarted process with the same rank) rejoins: it asks
+    for a new group generation, and the next ``send`` re-forms the group and delivers the latest weights.
+    """
+
+    def __init__(
+        self,
+        group: WeightSyncGroup,
+        named_tensors_or_module: torch.nn.Module | Mapping[str, torch.Tensor],
+        *,
+        src_rank: int = 0,
+        layout: DestLayout | None = None,
+        load_fn: LoadFn | None = None,
+        strict: bool = True,
+    ) -> None:
+        self.group = group
+        named = named_tensors_of(named_tensors_or_module)
+        self.layout = layout if layout is not None else replicated(named)
+        for name, t in self.layout.tensors.items():
+            have = named.get(name)
+            if have is None:
+                raise WeightSyncError(
+                    f"rank {group.rank}: the layout names {name!r} but no such tensor was given"
+                )
+            if tuple(have.shape) != t.shape:
+                raise WeightSyncError(
+                    f"rank {group.rank}: {name} is {tuple(have.shape)}, the layout says {t.shape}"
+                )
+        self.load_fn = load_fn
+        if load_fn is None:
+            self._dst = {name: named[name].data for name in self.layout.tensors}
+        else:
+            self._dst = {
+                name: torch.empty(t.shape, dtype=dtype_from_str(t.dtype), device=group.device)
+                for name, t in self.layout.tensors.items()
+            }
+        self.policy_version: int | None = None  # version held; None before the first sync or after a failure
+        self._endpoint = _Endpoint(group, self.layout, strict=strict)
+        rejoining = group.store.check(["gen/0/done"])
+        plan = self._endpoint._replan()
+        if src_rank not in plan.source_ranks:
+            raise WeightSyncError(
+                f"rank {group.rank}: src_rank {src_rank} is not a source; sources are {plan.source_ranks}"
+            )
+        if rejoining:
+            # Ask for a new generation first, then skip every sync announced before the request.
+            self._endpoint._min_generation = group.add("gen/requested", 1)
+            self._endpoint._sync_index = group.add("sync/count", 0)
+        else:
+            group.form(0)
+        self.rejoined = rejoining
+        self.last_stats: SyncStats | None = None
+
+    @property
+    def plan(self):
+        """The transfer plan of the current group generation."""
+        return self._endpoint.plan
+
+    @torch.no_grad()
+    def receive(self, timeout_s: float | None = None) -> int:
+        """Wait for the next sync and receive it; returns its ``policy_version``.
+
+        Waits at most ``timeout_s`` (default: the group's) for the sync to be announced, then the group's
+        deadline for each bucket. Raises ``WeightSyncError`` naming the peer and bucket on a dead peer,
+        a missed deadline or a checksum mismatch; the weights are then partly updated and
+        ``policy_version`` is None until the next successful sync.
+        """
+        self.policy_version = None
+        stats = self._endpoint._sync(
+            announce_version=None,
+            timeout_s=self.group.timeout_s if timeout_s is None else timeout_s,
+            get_locals=None,
+            dst_tensors=self._dst,
+        )
+        self._endpoint._min_generation = 0  # rejoined: from now on every sync is ours
+        if self.load_fn is not None:
+            self.load_fn(iter(self._dst.items()))
+        self.policy_version = stats.policy_version
+        self.last_stats = stats
+        self.group.put(f"held/{self.group.rank}", stats.policy_version)
+        return stats.policy_version
+
+    def close(self) -> None:
+        """Release buffers (the group is closed by its owner)."""
+        self._endpoint._buffers.clear()

@@ -1,0 +1,95 @@
+"""The trainer side: ``WeightSender`` sends this rank's slices of the policy to every destination."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from llamarl.comm._session import SyncStats, _Endpoint
+from llamarl.comm.layouts import dtype_to_str, named_tensors_of, source_layout
+from llamarl.comm.transport import WeightSyncGroup
+
+__all__ = ["SyncStats", "WeightSender"]
+
+
+class WeightSender:
+    """Sends a model's weights, as this source rank holds them, to the destination ranks of ``group``.
+
+    ``named_tensors_or_module``: a module (its parameters and persistent buffers; tied weights once) or
+    a ``{name: tensor}`` mapping. Plain tensors are whole parameters (one trainer rank, or replicated
+    over several: the plan spreads the work); FSDP2 ``DTensor`` parameters are sent from their local
+    shards, each slice straight from the rank that owns it. The tensors are re-read at every ``send``,
+    so the optimizer may update them in place between syncs.
+
+    Construction publishes this rank's layout and waits (the group's deadline) for every other rank's,
+    computes the transfer plan and forms the group: construct the senders and receivers of a group at
+    about the same time. ``bucket_bytes`` is the payload size of one bucket; ``wire_dtype`` (None,
+    ``torch.bfloat16`` or ``torch.float8_e4m3fn``) changes precision on the wire; ``checksum`` makes every
+    bucket carry a checksum the receivers verify; ``strict`` fails construction when a parameter is not
+    wanted by any destination (a name mismatch).
+    """
+
+    def __init__(
+        self,
+        group: WeightSyncGroup,
+        named_tensors_or_module: torch.nn.Module | Mapping[str, torch.Tensor],
+        *,
+        bucket_bytes: int = 64 << 20,
+        wire_dtype: torch.dtype | None = None,
+        checksum: bool = True,
+        strict: bool = True,
+    ) -> None:
+        self.group = group
+        self._named = named_tensors_of(named_tensors_or_module)
+        layout, _ = source_layout(self._named, wire_dtype=wire_dtype)
+        layout.bucket_bytes = bucket_bytes
+        layout.checksum = checksum
+        self.wire_dtype = dtype_to_str(wire_dtype) if wire_dtype is not None else None
+        self._endpoint = _Endpoint(group, layout, strict=strict)
+        self._endpoint._replan()
+        group.form(0)
+        group.put("gen/0/done", True)
+        self.policy_version: int | None = None  # the last version sent successfully
+
+    @property
+    def plan(self):
+        """The transfer plan of the current group generation."""
+        return self._endpoint.plan
+
+    def _locals(self) -> dict[str, tuple[torch.Tensor, tuple[int, ...]]]:
+        layout, local = source_layout(self._named)
+        return {name: (local[name], layout.tensors[name].offsets) for name in local}
+
+    @torch.no_grad()
+    def send(self, policy_version: int) -> SyncStats:
+        """Send the current weights as ``policy_version`` to every destination rank.
+
+        Every source rank of the group calls this for each sync (the lowest one announces it); every
+        receiver must call ``receive`` for it. Returns this rank's ``SyncStats``. Raises
+        ``WeightSyncError`` naming the peer and bucket when a peer dies or misses the group's deadline;
+        the next ``send`` then re-forms the group (waiting for restarted receivers to rejoin).
+        """
+        is_announcer = self.group.rank == self._endpoint.announcer
+        stats = self._endpoint._sync(
+            announce_version=int(policy_version) if is_announcer else None,
+            timeout_s=self.group.timeout_s,
+            get_locals=self._locals,
+            dst_tensors=None,
+        )
+        self.policy_version = stats.policy_version
+        return stats
+
+    def held_versions(self) -> dict[int, int | None]:
+        """The ``policy_version`` each destination rank reported after its last successful sync."""
+        out: dict[int, int | None] = {}
+        plan = self._endpoint.plan
+        assert plan is not None
+        for r in plan.dest_ranks:
+            key = f"held/{r}"
+            out[r] = self.group.get(key) if self.group.store.check([key]) else None
+        return out
+
+    def close(self) -> None:
+        """Release buffers (the group is closed by its owner)."""
+        self._endpoint._buffers.clear()

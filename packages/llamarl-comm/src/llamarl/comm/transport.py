@@ -1,0 +1,203 @@
+"""The weight-sync process group: its own store, its own gloo (or NCCL) group, deadlines everywhere.
+
+``WeightSyncGroup`` never calls ``torch.distributed.init_process_group`` and never touches torch's
+default group, so it can live inside an inference engine (or a trainer) that owns its own. Rank 0 hosts
+a ``TCPStore``; the store carries the layouts every rank publishes, the per-sync announcements and the
+rejoin requests, and each *generation* of the group builds a fresh ``ProcessGroupGloo`` under its own
+store prefix. A receiver that restarts asks for a new generation; every member moves to it at the start
+of the next sync (see ``sender.py`` / ``receiver.py``).
+
+Every wait takes a deadline and raises ``WeightSyncError`` naming the peer (and the bucket), so a dead
+or stuck peer is an error, never a hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["WeightSyncError", "WeightSyncGroup"]
+
+
+class WeightSyncError(RuntimeError):
+    """A weight sync failed: a peer died or missed its deadline, a checksum or a manifest disagreed.
+
+    ``peer`` is the group rank of the other side when one is to blame, ``bucket`` the bucket index
+    (within its stream) when the failure happened in the middle of a transfer.
+    """
+
+    def __init__(self, message: str, *, peer: int | None = None, bucket: int | None = None) -> None:
+        super().__init__(message)
+        self.peer = peer
+        self.bucket = bucket
+
+
+def _td(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
+
+
+class WeightSyncGroup:
+    """A private process group for weight sync: ``world_size`` ranks meeting at ``host:port``.
+
+    Rank 0 hosts the ``TCPStore`` (it must outlive the others: put it on the trainer). ``timeout_s`` is
+    the deadline of every single wait: connecting, forming the group, each bucket. ``backend`` is
+    ``"gloo"`` (CPU tensors) or ``"nccl"`` (CUDA tensors on ``device``).
+    """
+
+    def __init__(
+        self,
+        *,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        timeout_s: float = 60.0,
+        backend: str = "gloo",
+        device: torch.device | str | None = None,
+        prefix: str = "llamarl-wsync",
+    ) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside a group of world_size {world_size}")
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+        self.host = host
+        self.port = port
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self.backend = backend
+        self.device = torch.device(device if device is not None else ("cuda" if backend == "nccl" else "cpu"))
+        try:
+            # world_size=None: nobody waits for a head count, so a restarted rank can connect later.
+            self._tcp_store = dist.TCPStore(
+                host, port, None, rank == 0, _td(timeout_s), wait_for_workers=False
+            )
+        except Exception as exc:
+            what = "host" if rank == 0 else "reach"
+            raise WeightSyncError(
+                f"rank {rank} could not {what} the weight-sync store at {host}:{port} "
+                f"within {timeout_s}s: {exc}",
+                peer=None if rank == 0 else 0,
+            ) from exc
+        self.store = dist.PrefixStore(f"{prefix}/", self._tcp_store)
+        self.generation: int | None = None
+        self._pg: Any = None
+
+    # ----------------------------------------------------------------------------------------------
+    # Group generations
+
+    def form(self, generation: int) -> None:
+        """(Re)build the process group for ``generation``; every rank must call this with the same value.
+
+        Blocks until all ``world_size`` ranks have joined, at most ``timeout_s``; on timeout the error
+        names the ranks that never arrived.
+        """
+        if self.generation == generation and self._pg is not None:
+            return
+        self._pg = None  # drop the old generation first: its peers may be gone
+        self.store.set(f"gen/{generation}/member/{self.rank}", "1")
+        pg_store = dist.PrefixStore(f"gen/{generation}/pg/", self.store)
+        try:
+            if self.backend == "gloo":
+                pg = dist.ProcessGroupGloo(pg_store, self.rank, self.world_size, _td(self.timeout_s))
+            else:  # pragma: no cover - needs CUDA
+                opts = dist.ProcessGroupNCCL.Options()
+                opts._timeout = _td(self.timeout_s)
+                pg = dist.ProcessGroupNCCL(pg_store, self.rank, self.world_size, opts)
+        except Exception as exc:
+            missing = [
+                r for r in range(self.world_size) if not self.store.check([f"gen/{generation}/member/{r}"])
+            ]
+            raise WeightSyncError(
+                f"rank {self.rank} could not form weight-sync group generation {generation} within "
+                f"{self.timeout_s}s; ranks that never joined: {missing or 'none (connection failed)'}: {exc}",
+                peer=missing[0] if missing else None,
+            ) from exc
+        self._pg = pg
+        self.generation = generation
+
+    @property
+    def formed(self) -> bool:
+        """Whether a process group of some generation is up."""
+        return self._pg is not None
+
+    def invalidate(self) -> None:
+        """Forget the current generation after a failure; the next sync re-forms the group."""
+        self._pg = None
+        self.generation = None
+
+    # ----------------------------------------------------------------------------------------------
+    # Point to point
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int) -> Any:
+        """Start sending a contiguous ``tensor`` to ``dst``; returns the torch ``Work`` to ``wait`` on."""
+        assert self._pg is not None, "weight-sync group not formed"
+        return self._pg.send([tensor], dst, tag)
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int) -> Any:
+        """Start receiving into a contiguous ``tensor`` from ``src``; returns the torch ``Work``."""
+        assert self._pg is not None, "weight-sync group not formed"
+        return self._pg.recv([tensor], src, tag)
+
+    def broadcast(self, tensor: torch.Tensor, root: int) -> Any:
+        """Start a broadcast of ``tensor`` from ``root`` over the whole group (used by the benchmark)."""
+        assert self._pg is not None, "weight-sync group not formed"
+        opts = dist.BroadcastOptions()
+        opts.rootRank = root
+        opts.rootTensor = 0
+        return self._pg.broadcast([tensor], opts)
+
+    def wait(self, work: Any, *, peer: int, what: str, bucket: int | None = None) -> None:
+        """Wait for ``work`` at most ``timeout_s``; raise ``WeightSyncError`` naming ``peer`` otherwise."""
+        try:
+            work.wait(_td(self.timeout_s))
+        except Exception as exc:
+            where = f" (bucket {bucket})" if bucket is not None else ""
+            raise WeightSyncError(
+                f"rank {self.rank}: {what} with peer rank {peer}{where} failed or missed its "
+                f"{self.timeout_s}s deadline: {exc}",
+                peer=peer,
+                bucket=bucket,
+            ) from exc
+
+    # ----------------------------------------------------------------------------------------------
+    # Small control messages through the store (JSON, never pickle: peers need not trust each other's
+    # Python objects)
+
+    def put(self, key: str, value: Any) -> None:
+        """Publish ``value`` (JSON-serialisable) under ``key``."""
+        self.store.set(key, json.dumps(value))
+
+    def get(self, key: str, *, peer: int | None = None, timeout_s: float | None = None) -> Any:
+        """Wait (at most ``timeout_s``, default the group's) for ``key`` and return its JSON value."""
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        try:
+            self.store.wait([key], _td(timeout))
+            raw = self.store.get(key)
+        except Exception as exc:
+            who = f"peer rank {peer}" if peer is not None else "a peer"
+            raise WeightSyncError(
+                f"rank {self.rank}: waited {timeout}s for {who} to publish {key!r}: {exc}", peer=peer
+            ) from exc
+        return json.loads(raw.decode())
+
+    def add(self, key: str, amount: int) -> int:
+        """Atomically add ``amount`` to the integer counter ``key`` and return the new value."""
+        return int(self.store.add(key, amount))
+
+    def close(self) -> None:
+        """Drop the process group and the store connection (rank 0 stops hosting the store)."""
+        self._pg = None
+        self.generation = None
+        self.store = None  # type: ignore[assignment]
+        self._tcp_store = None
+
+    def __repr__(self) -> str:
+        return (
+            f"WeightSyncGroup(rank={self.rank}, world_size={self.world_size}, backend={self.backend!r}, "
+            f"generation={self.generation})"
+        )

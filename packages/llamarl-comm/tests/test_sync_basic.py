@@ -1,0 +1,161 @@
+"""Phase-1 path: one trainer rank, whole tensors, several receivers; failures are errors, never hangs."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from llamarl.comm import WeightReceiver, WeightSender, WeightSyncError, WeightSyncGroup
+from llamarl.comm.testing import DistributedTestError, run_distributed
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class TinyLM(torch.nn.Module):
+    """A few layers of the usual kinds, tied embedding, a persistent and a non-persistent buffer."""
+
+    def __init__(self, vocab: int = 50, hidden: int = 16) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, hidden)
+        self.q_proj = torch.nn.Linear(hidden, hidden, bias=False)
+        self.mlp = torch.nn.Linear(hidden, 3 * hidden)
+        self.norm = torch.nn.LayerNorm(hidden)
+        self.lm_head = torch.nn.Linear(hidden, vocab, bias=False)
+        self.lm_head.weight = self.embed.weight  # tied: sent once
+        self.register_buffer("step_count", torch.zeros(3, dtype=torch.int64))
+        self.register_buffer("inv_freq", torch.ones(4), persistent=False)
+
+
+def _model(seed: int) -> TinyLM:
+    torch.manual_seed(seed)
+    model = TinyLM()
+    with torch.no_grad():
+        model.step_count.copy_(torch.tensor([seed, 2, 3]))
+    return model
+
+
+def _group(rank: int, world_size: int, rdv, timeout_s: float = 30.0) -> WeightSyncGroup:
+    return WeightSyncGroup(
+        host=rdv.host, port=rdv.port, rank=rank, world_size=world_size, timeout_s=timeout_s
+    )
+
+
+def _sync_worker(rank: int, world_size: int, rdv, bucket_bytes: int):
+    group = _group(rank, world_size, rdv)
+    if rank == 0:
+        model = _model(seed=1)
+        sender = WeightSender(group, model, bucket_bytes=bucket_bytes)
+        out = []
+        for version in (3, 4):
+            stats = sender.send(version)
+            out.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+            assert stats.bytes > 0 and stats.buckets >= 1 and stats.policy_version == version
+            with torch.no_grad():  # the optimizer would do this between syncs
+                for p in model.parameters():
+                    p.add_(1.0)
+        time.sleep(0.5)  # hosts the store: let receivers publish their held versions
+        held = sender.held_versions()
+        assert held == {1: 4, 2: 4}, held
+        return out
+    model = _model(seed=100 + rank)  # different weights: must be overwritten
+    receiver = WeightReceiver(group, model, src_rank=0)
+    assert receiver.policy_version is None
+    out = []
+    for version in (3, 4):
+        assert receiver.receive() == version
+        assert receiver.policy_version == version
+        out.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+    return out
+
+
+@pytest.mark.parametrize("bucket_bytes", [64 << 20, 256])
+def test_one_sender_two_receivers_bitwise(bucket_bytes: int) -> None:
+    results = run_distributed(_sync_worker, 3, bucket_bytes, timeout_s=90)
+    sent = results[0]
+    for rank in (1, 2):
+        for version_i in range(2):
+            for name, tensor in sent[version_i].items():
+                got = results[rank][version_i][name]
+                assert got.dtype == tensor.dtype and torch.equal(
+                    got.view(-1).view(torch.uint8) if False else got, tensor
+                ), name
+    # the non-persistent buffer is not synced, the tied weight is
+    assert "inv_freq" not in sent[0]
+    assert torch.equal(results[1][1]["lm_head.weight"], sent[1]["embed.weight"])
+
+
+def _load_fn_worker(rank: int, world_size: int, rdv):
+    group = _group(rank, world_size, rdv)
+    if rank == 0:
+        model = _model(seed=7)
+        WeightSender(group, model, bucket_bytes=1024).send(11)
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    with torch.device("meta"):
+        spec = TinyLM()  # shapes only: the engine owns the real storage
+    loaded: dict[str, torch.Tensor] = {}
+
+    def load_fn(weights):
+        for name, tensor in weights:
+            loaded[name] = tensor.clone()
+
+    receiver = WeightReceiver(group, spec, load_fn=load_fn)
+    assert receiver.receive() == 11
+    return loaded
+
+
+def test_load_fn_receives_pairs() -> None:
+    sent, loaded = run_distributed(_load_fn_worker, 2, timeout_s=60)
+    assert sent.keys() - {"lm_head.weight"} == loaded.keys()
+    for name, tensor in loaded.items():
+        assert torch.equal(tensor, sent[name]), name
+
+
+def _mismatch_worker(rank: int, world_size: int, rdv):
+    group = _group(rank, world_size, rdv, timeout_s=20)
+    try:
+        if rank == 0:
+            WeightSender(group, {"w": torch.zeros(4, 4), "b": torch.zeros(4)})
+        else:
+            WeightReceiver(group, {"w": torch.zeros(4, 5), "b": torch.zeros(4)})
+    except WeightSyncError as exc:
+        return str(exc)
+    raise AssertionError("no error on a manifest mismatch")
+
+
+def test_manifest_mismatch_fails_clearly() -> None:
+    for message in run_distributed(_mismatch_worker, 2, timeout_s=60):
+        assert "'w'" in message and "(4, 4)" in message, message
+
+
+def _dead_receiver_worker(rank: int, world_size: int, rdv, mode: str):
+    group = _group(rank, world_size, rdv, timeout_s=4.0)
+    named = {"w": torch.randn(64, 64), "b": torch.randn(64)}
+    if rank == 0:
+        sender = WeightSender(group, named, bucket_bytes=4096)
+        time.sleep(0.5)  # let the receiver die / stall
+        start = time.monotonic()
+        try:
+            sender.send(1)
+        except WeightSyncError as exc:
+            return {"peer": exc.peer, "message": str(exc), "seconds": time.monotonic() - start}
+        raise AssertionError("send to a dead receiver succeeded")
+    WeightReceiver(group, {k: torch.zeros_like(v) for k, v in named.items()})
+    if mode == "killed":
+        os._exit(0)  # dies without a word
+    time.sleep(8.0)  # alive but never receives: the sender must not wait past its deadline
+    return None
+
+
+@pytest.mark.parametrize("mode", ["killed", "stalled"])
+def test_dead_receiver_is_a_clear_error(mode: str) -> None:
+    if mode == "killed":
+        with pytest.raises(DistributedTestError, match="rank 1 exited"):
+            # the harness itself reports the dead child; run the sender alone to see its error
+            run_distributed(_dead_receiver_worker, 2, mode, timeout_s=60)
+        return
+    result = run_distributed(_dead_receiver_worker, 2, mode, timeout_s=60)[0]
+    assert result["peer"] == 1 and "peer rank 1" in result["message"], result
+    assert result["seconds"] < 4.0 * 2 + 2, result
