@@ -280,6 +280,9 @@ class Controller:
         counts = torch.zeros(2, dtype=torch.float64)  # correct, total
         if not self.is_trainer:
             mine = self.eval_examples[self.generator_index :: self.config.num_generators]
+            # The trainer idles during evaluation, so the generators may use its cores too.
+            threads = torch.get_num_threads()
+            torch.set_num_threads(max(threads, (os.cpu_count() or 1) // self.config.num_generators))
             for first in range(0, len(mine), EVAL_CHUNK):
                 chunk = mine[first : first + EVAL_CHUNK]
                 prompts = [self._chat_prompt(e) for e in chunk]
@@ -288,6 +291,7 @@ class Controller:
                 )
                 scores = self.rewarder.score(self._decode_completions(batch), [e.reference for e in chunk])
                 counts += torch.tensor([sum(s > 0.5 for s in scores), len(chunk)], dtype=torch.float64)
+            torch.set_num_threads(threads)
         dist.all_reduce(counts)
         accuracy = float(counts[0] / counts[1])
         if self.is_trainer:
