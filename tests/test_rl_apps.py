@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def run_app(
-    app: str, *args: str, env: dict[str, str] | None = None, timeout: float = 280
+    app: str, *args: str, env: dict[str, str] | None = None, timeout: float = 560
 ) -> subprocess.CompletedProcess:
     full_env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", **(env or {})}
     return subprocess.run(
@@ -47,7 +47,7 @@ def read_samples(out: Path) -> list[dict]:
     return rows
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_gsm8k_app_trains_in_both_modes(tiny_model_dir, gsm8k_dir, tmp_path, mode):
     out = tmp_path / mode
@@ -71,7 +71,7 @@ def test_gsm8k_app_trains_in_both_modes(tiny_model_dir, gsm8k_dir, tmp_path, mod
     assert list(out.glob("wandb/offline-run-*")), "no offline W&B run written"
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_math_app_runs_with_two_generators(tiny_model_dir, math_dir, tmp_path):
     out = tmp_path / "math"
     result = run_app(
@@ -83,7 +83,7 @@ def test_math_app_runs_with_two_generators(tiny_model_dir, math_dir, tmp_path):
     assert {p.name for p in out.glob("samples.rank*.jsonl")} == {"samples.rank1.jsonl", "samples.rank2.jsonl"}
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(400)
 @pytest.mark.parametrize("fault", ["1:1", "0:2", "1:1:kill"])
 def test_a_failing_rank_ends_the_run_with_its_error_once(tiny_model_dir, gsm8k_dir, tmp_path, fault):
     start = time.monotonic()
