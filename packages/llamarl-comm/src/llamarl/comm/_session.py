@@ -180,7 +180,9 @@ class _Endpoint:
                     sync_index=sync_index,
                     checksum=self.checksum,
                 )
-                work = group.send(buf[: n + TRAILER_BYTES], stream.chain[0], _tag(stream, bucket))
+                work = group.send(
+                    buf[: n + TRAILER_BYTES], stream.chain[0], _tag(stream, bucket), bucket=bucket.index
+                )
                 sends[key] = (work, stream.chain[0], bucket.index)
             else:
                 assert dst_tensors is not None
@@ -194,7 +196,9 @@ class _Endpoint:
                 if downstream is not None:
                     # Forward the raw bucket (trailer included) before unpacking: the next replica
                     # receives while this one copies.
-                    work = group.send(buf[: n + TRAILER_BYTES], downstream, _tag(stream, bucket))
+                    work = group.send(
+                        buf[: n + TRAILER_BYTES], downstream, _tag(stream, bucket), bucket=bucket.index
+                    )
                     sends[key] = (work, downstream, bucket.index)
                 unpack_bucket(buf, bucket, dst_tensors)
                 wait_send(key)

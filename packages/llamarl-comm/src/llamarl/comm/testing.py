@@ -9,10 +9,17 @@ rendezvous offers a free port on the loopback interface and a fresh file path, n
 ``fn`` may live in a pytest test module collected with ``--import-mode=importlib`` (such modules cannot
 be imported by name in a spawned child): the harness ships the module's file path and loads it there.
 ``args`` and the values returned by ``fn`` must be picklable plain data (ints, strings, tensors, ...).
+
+Importing torch takes tens of seconds on a loaded 2-core machine, so the processes are kept in a pool
+and reused by later calls (each call still gets a fresh rendezvous; a default process group a call left
+initialised is destroyed after it). A worker that fails, dies or overruns is killed and replaced. Set
+``LLAMARL_TEST_FRESH_PROCESSES=1`` (or pass ``fresh=True``) for brand-new processes on every call.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import importlib
 import importlib.util
 import multiprocessing as mp
@@ -28,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["DistributedTestError", "Rendezvous", "free_port", "run_distributed"]
+__all__ = ["DistributedPool", "DistributedTestError", "Rendezvous", "free_port", "run_distributed"]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -77,32 +84,176 @@ def _load_callable(module_name: str, module_file: str | None, qualname: str) -> 
     return obj
 
 
-def _child_main(
-    fn_ref: tuple[str, str | None, str],
-    rank: int,
-    world_size: int,
-    rendezvous: Rendezvous,
-    args: tuple[Any, ...],
-    results: Any,
-) -> None:
-    import torch
-
-    # Test machines are small and shared: one intra-op thread per rank.
-    torch.set_num_threads(1)
+def _run_task(task: tuple[Any, ...]) -> tuple[int, int, str, Any]:
+    call_id, fn_ref, rank, world_size, rendezvous, args = task
     try:
         fn = _load_callable(*fn_ref)
         value = fn(rank, world_size, rendezvous, *args)
         # Plain pickle copies tensor bytes; the queue's own pickler would pass shared-memory handles
         # that die with this process.
-        results.put((rank, "ok", pickle.dumps(value)))
-        results.close()
-        results.join_thread()
+        return call_id, rank, "ok", pickle.dumps(value)
     except BaseException:
-        results.put((rank, "error", traceback.format_exc()))
-        # Flush the queue's feeder thread before leaving, so the parent sees the traceback.
-        results.close()
-        results.join_thread()
-        os._exit(1)
+        return call_id, rank, "error", traceback.format_exc()
+    finally:
+        import torch.distributed as dist
+
+        # A call that left torch's default group up must not leak it into the next call.
+        if dist.is_available() and dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+
+
+def _worker_main(tasks: Any, results: Any) -> None:
+    import torch
+
+    # Test machines are small and shared: one intra-op thread per rank.
+    torch.set_num_threads(1)
+    parent = os.getppid()
+    while True:
+        try:
+            task = tasks.get(timeout=1.0)
+        except queue.Empty:
+            if os.getppid() != parent:
+                return  # the test process is gone: do not linger as an orphan
+            continue
+        if task is None:
+            return
+        results.put(_run_task(task))
+
+
+class DistributedPool:
+    """Spawned worker processes, reused across ``run`` calls; worker ``i`` plays rank ``i``."""
+
+    def __init__(self, *, host: str = "127.0.0.1") -> None:
+        self.host = host
+        self._ctx = mp.get_context("spawn")
+        self._workers: list[tuple[Any, Any, Any] | None] = []  # (process, tasks, results)
+        self._next_call = 0
+
+    def _worker(self, rank: int) -> tuple[Any, Any, Any]:
+        while len(self._workers) <= rank:
+            self._workers.append(None)
+        worker = self._workers[rank]
+        if worker is None or not worker[0].is_alive():
+            tasks, results = self._ctx.Queue(), self._ctx.Queue()
+            proc = self._ctx.Process(
+                target=_worker_main,
+                args=(tasks, results),
+                name=f"llamarl-rank{rank}",
+                # Not a daemon, so a test may fork a child from its rank (to kill a real process);
+                # the pool is closed at exit, and a worker whose parent vanished stops by itself.
+                daemon=False,
+            )
+            proc.start()
+            worker = (proc, tasks, results)
+            self._workers[rank] = worker
+        return worker
+
+    def _kill(self, rank: int) -> None:
+        worker = self._workers[rank]
+        if worker is not None:
+            proc, tasks, results = worker
+            if proc.is_alive():
+                proc.kill()
+            proc.join(timeout=5.0)
+            for q in (tasks, results):
+                q.cancel_join_thread()
+                q.close()
+            self._workers[rank] = None
+
+    def run(
+        self,
+        fn: Callable[..., Any],
+        world_size: int,
+        *args: Any,
+        timeout_s: float = 120.0,
+        may_die: tuple[int, ...] = (),
+    ) -> list[Any]:
+        """Run ``fn(rank, world_size, rendezvous, *args)`` on ranks ``0..world_size-1``; see the module doc.
+
+        Ranks in ``may_die`` may exit without a result (their value is None) without failing the run.
+        """
+        module = sys.modules.get(fn.__module__)
+        fn_ref = (fn.__module__, getattr(module, "__file__", None), fn.__qualname__)
+        self._next_call += 1
+        call_id = self._next_call
+        values: dict[int, Any] = {}
+        with tempfile.TemporaryDirectory(prefix="llamarl-dist-") as tmpdir:
+            rendezvous = Rendezvous(
+                host=self.host,
+                port=free_port(self.host),
+                file=os.path.join(tmpdir, "rendezvous"),
+                tmpdir=tmpdir,
+            )
+            workers = [self._worker(rank) for rank in range(world_size)]
+            for rank, (_, tasks, _) in enumerate(workers):
+                tasks.put((call_id, fn_ref, rank, world_size, rendezvous, args))
+            deadline = time.monotonic() + timeout_s
+            failure: str | None = None
+            dead_since: dict[int, float] = {}
+            while len(values) < world_size and failure is None:
+                progressed = False
+                for rank, (proc, _, results) in enumerate(workers):
+                    if rank in values:
+                        continue
+                    try:
+                        got_call, got_rank, status, payload = results.get_nowait()
+                    except queue.Empty:
+                        if not proc.is_alive():
+                            # Give a report still in the pipe a moment before calling it a death.
+                            first = dead_since.setdefault(rank, time.monotonic())
+                            if time.monotonic() - first > 0.5:
+                                if rank in may_die:
+                                    values[rank] = None
+                                else:
+                                    failure = (
+                                        f"rank {rank} exited with code {proc.exitcode} without a traceback"
+                                    )
+                                    break
+                        continue
+                    progressed = True
+                    if got_call != call_id:
+                        continue  # a stale report from a call that was abandoned
+                    if status == "ok":
+                        values[got_rank] = pickle.loads(payload)
+                    else:
+                        failure = f"rank {got_rank} failed:\n{payload}"
+                        break
+                if failure is None and time.monotonic() > deadline:
+                    pending = [r for r in range(world_size) if r not in values]
+                    failure = f"timed out after {timeout_s:.0f}s; ranks still running: {pending}"
+                if not progressed:
+                    time.sleep(0.02)
+            for rank in range(world_size):
+                # Failed runs may leave ranks blocked on dead peers; dead ranks need replacing.
+                if failure is not None or not workers[rank][0].is_alive():
+                    self._kill(rank)
+        if failure is not None:
+            raise DistributedTestError(failure)
+        return [values[r] for r in range(world_size)]
+
+    def close(self) -> None:
+        """Stop every worker."""
+        for rank, worker in enumerate(self._workers):
+            if worker is not None:
+                try:
+                    worker[1].put(None)
+                    worker[0].join(timeout=2.0)
+                except Exception:
+                    pass
+                self._kill(rank)
+        self._workers.clear()
+
+
+_POOL: DistributedPool | None = None
+
+
+def _shared_pool() -> DistributedPool:
+    global _POOL
+    if _POOL is None:
+        _POOL = DistributedPool()
+        atexit.register(_POOL.close)
+    return _POOL
 
 
 def run_distributed(
@@ -110,71 +261,21 @@ def run_distributed(
     world_size: int,
     *args: Any,
     timeout_s: float = 120.0,
-    host: str = "127.0.0.1",
+    may_die: tuple[int, ...] = (),
+    fresh: bool = False,
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, rendezvous, *args)`` in ``world_size`` spawned processes.
+    """Run ``fn(rank, world_size, rendezvous, *args)`` in ``world_size`` processes (one thread each).
 
-    Returns the list of values returned by ``fn``, indexed by rank. Raises ``DistributedTestError``
-    with the first failing child's traceback (and its rank) after killing the others, when a child
-    dies without a traceback (e.g. killed by a signal), or when the run exceeds ``timeout_s``.
+    Returns the values returned by ``fn``, indexed by rank. Raises ``DistributedTestError`` with the
+    first failing child's traceback (and its rank) after killing the others, when a child dies without
+    a traceback (e.g. killed by a signal; unless its rank is in ``may_die``), or when the run exceeds
+    ``timeout_s``. Processes come from a shared pool unless ``fresh`` (or the environment variable
+    ``LLAMARL_TEST_FRESH_PROCESSES=1``) asks for new ones.
     """
-    module = sys.modules.get(fn.__module__)
-    fn_ref = (fn.__module__, getattr(module, "__file__", None), fn.__qualname__)
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    values: dict[int, Any] = {}
-    with tempfile.TemporaryDirectory(prefix="llamarl-dist-") as tmpdir:
-        rendezvous = Rendezvous(
-            host=host, port=free_port(host), file=os.path.join(tmpdir, "rendezvous"), tmpdir=tmpdir
-        )
-        procs = [
-            ctx.Process(
-                target=_child_main,
-                args=(fn_ref, rank, world_size, rendezvous, args, results),
-                name=f"llamarl-rank{rank}",
-                daemon=True,
-            )
-            for rank in range(world_size)
-        ]
-        for proc in procs:
-            proc.start()
-        deadline = time.monotonic() + timeout_s
-        failure: str | None = None
+    if fresh or os.environ.get("LLAMARL_TEST_FRESH_PROCESSES") == "1":
+        pool = DistributedPool()
         try:
-            while len(values) < world_size and failure is None:
-                try:
-                    rank, status, payload = results.get(timeout=0.05)
-                except queue.Empty:
-                    if time.monotonic() > deadline:
-                        pending = [r for r in range(world_size) if r not in values]
-                        failure = f"timed out after {timeout_s:.0f}s; ranks still running: {pending}"
-                        break
-                    # A child that died without reporting (SIGKILL, os._exit, segfault) is a failure,
-                    # unless its report is still in flight: give the queue a moment first.
-                    for r, proc in enumerate(procs):
-                        if r not in values and proc.exitcode is not None and proc.exitcode != 0:
-                            time.sleep(0.2)
-                            try:
-                                rank, status, payload = results.get(timeout=0.5)
-                            except queue.Empty:
-                                failure = f"rank {r} exited with code {proc.exitcode} without a traceback"
-                            break
-                    else:
-                        continue
-                    if failure is not None:
-                        break
-                if status == "ok":
-                    values[rank] = pickle.loads(payload)
-                else:
-                    failure = f"rank {rank} failed:\n{payload}"
+            return pool.run(fn, world_size, *args, timeout_s=timeout_s, may_die=may_die)
         finally:
-            for proc in procs:
-                proc.join(timeout=5.0 if failure is None else 0.0)
-            for proc in procs:
-                if proc.is_alive():
-                    proc.kill()
-                    proc.join(timeout=5.0)
-            results.close()
-        if failure is not None:
-            raise DistributedTestError(failure)
-    return [values[r] for r in range(world_size)]
+            pool.close()
+    return _shared_pool().run(fn, world_size, *args, timeout_s=timeout_s, may_die=may_die)

@@ -133,15 +133,26 @@ class WeightSyncGroup:
     # ----------------------------------------------------------------------------------------------
     # Point to point
 
-    def send(self, tensor: torch.Tensor, dst: int, tag: int) -> Any:
+    def send(self, tensor: torch.Tensor, dst: int, tag: int, *, bucket: int | None = None) -> Any:
         """Start sending a contiguous ``tensor`` to ``dst``; returns the torch ``Work`` to ``wait`` on."""
-        assert self._pg is not None, "weight-sync group not formed"
-        return self._pg.send([tensor], dst, tag)
+        return self._start("send", tensor, dst, tag, bucket)
 
-    def recv(self, tensor: torch.Tensor, src: int, tag: int) -> Any:
+    def recv(self, tensor: torch.Tensor, src: int, tag: int, *, bucket: int | None = None) -> Any:
         """Start receiving into a contiguous ``tensor`` from ``src``; returns the torch ``Work``."""
-        assert self._pg is not None, "weight-sync group not formed"
-        return self._pg.recv([tensor], src, tag)
+        return self._start("recv", tensor, src, tag, bucket)
+
+    def _start(self, op: str, tensor: torch.Tensor, peer: int, tag: int, bucket: int | None) -> Any:
+        if self._pg is None:
+            raise WeightSyncError(f"rank {self.rank}: weight-sync group not formed", peer=peer, bucket=bucket)
+        try:
+            return getattr(self._pg, op)([tensor], peer, tag)
+        except Exception as exc:  # gloo raises at once when the pair to a dead peer is closed
+            where = f" (bucket {bucket})" if bucket is not None else ""
+            raise WeightSyncError(
+                f"rank {self.rank}: could not {op} weights with peer rank {peer}{where}: {exc}",
+                peer=peer,
+                bucket=bucket,
+            ) from exc
 
     def broadcast(self, tensor: torch.Tensor, root: int) -> Any:
         """Start a broadcast of ``tensor`` from ``root`` over the whole group (used by the benchmark)."""
