@@ -5,8 +5,9 @@ Store protocol (keys under the group's prefix, values JSON):
 - ``layout/{rank}``: every rank's ``SourceLayout`` or ``DestLayout``; every rank reads all of them and
   computes the same plan (``plan.make_plan``), so there is no coordinator to agree with.
 - ``gen/requested``: a counter; a restarted receiver bumps it to ask for a new group generation, the
-  announcing source bumps it after a failed sync. ``gen/0/done`` marks that the first generation formed
-  (so a receiver constructed later knows it is rejoining).
+  announcing source bumps it after a failed sync. ``gen/{g}/done`` marks a generation that formed: a
+  receiver constructed when ``gen/0/done`` exists is rejoining, and skips syncs announced on
+  generations already formed (its predecessor's), joining the next fresh one.
 - ``sync/count`` and ``sync/{n}``: the announcing source (the lowest source rank) announces sync ``n``
   with the generation it runs on and its ``policy_version``; everyone else waits for the announcement,
   (re)forms the group if the generation moved, then runs its part of the plan.
@@ -64,7 +65,7 @@ class _Endpoint:
         self.strict = strict
         self.plan: TransferPlan | None = None
         self._sync_index = 0  # index of the last sync this rank took part in (or skipped)
-        self._min_generation = 0  # a rejoining receiver ignores syncs announced before its request
+        self.rejoining = False  # a restarted receiver skips syncs on generations formed without it
         self._buffers: dict[tuple[int, int], torch.Tensor] = {}
         group.put(f"layout/{self.rank}", layout.to_json())
 
@@ -267,8 +268,9 @@ class _Endpoint:
             n = self._sync_index + 1
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             data = self.group.get(f"sync/{n}", peer=self.announcer_hint(), timeout_s=remaining)
-            if data["generation"] < self._min_generation:
-                # Announced before our rejoin request reached the sender; it fails without us.
+            if self.rejoining and self.group.store.check([f"gen/{data['generation']}/done"]):
+                # A generation formed before this process existed (with our dead predecessor): the
+                # sender fails that sync without us and moves to a new generation, which we join.
                 self._sync_index = n
                 continue
             return n, int(data["generation"]), int(data["policy_version"])

@@ -76,9 +76,10 @@ class WeightReceiver:
                 f"rank {group.rank}: src_rank {src_rank} is not a source; sources are {plan.source_ranks}"
             )
         if rejoining:
-            # Ask for a new generation first, then skip every sync announced before the request.
-            self._endpoint._min_generation = group.add("gen/requested", 1)
+            # Ask for a new generation; the next sync on a generation not yet formed is ours.
+            self._endpoint.rejoining = True
             self._endpoint._sync_index = group.add("sync/count", 0)
+            group.add("gen/requested", 1)
         else:
             group.form(0)
         self.rejoined = rejoining
@@ -105,7 +106,7 @@ class WeightReceiver:
             get_locals=None,
             dst_tensors=self._dst,
         )
-        self._endpoint._min_generation = 0  # rejoined: from now on every sync is ours
+        self._endpoint.rejoining = False  # rejoined: from now on every sync is ours
         if self.load_fn is not None:
             self.load_fn(iter(self._dst.items()))
         self.policy_version = stats.policy_version

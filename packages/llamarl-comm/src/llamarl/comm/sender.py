@@ -49,7 +49,6 @@ class WeightSender:
         self._endpoint = _Endpoint(group, layout, strict=strict)
         self._endpoint._replan()
         group.form(0)
-        group.put("gen/0/done", True)
         self.policy_version: int | None = None  # the last version sent successfully
 
     @property

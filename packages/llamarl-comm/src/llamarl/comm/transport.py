@@ -119,6 +119,7 @@ class WeightSyncGroup:
             ) from exc
         self._pg = pg
         self.generation = generation
+        self.store.set(f"gen/{generation}/done", "1")
 
     @property
     def formed(self) -> bool:

@@ -27,6 +27,16 @@ The worker never needs the trainer's model object: it learns the names, shapes a
 the safetensors headers of the folder the engine serves (checkpoint names are exactly what a trainer
 holding the HF model sends).
 
+Things to know:
+
+- The destination dtypes are the checkpoint's. A trainer holding float32 weights for a bfloat16
+  checkpoint sends with `WeightSender(..., wire_dtype=torch.bfloat16)` (the plan refuses a silent cast).
+- The receiver stages one full copy of the (per-worker) weights in its own buffers, kept between syncs,
+  and hands them to vLLM's loader in one call once the sync is verified.
+- The trainer (rank 0) hosts the group's store; the receiver writes the version it holds there after
+  loading (`WeightSender.held_versions()`), so the trainer must not exit right after `send` returns.
+- After a sync the engine's prefix cache holds KV from the old weights: `sync_weights` resets it.
+
 This module imports without vLLM installed: it never imports vLLM, it only calls methods of the worker it
 is mixed into and of the `LLM` a driver hands to `sync_weights`.
 """
@@ -45,6 +55,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "INITIAL_POLICY_VERSION",
     "WORKER_EXTENSION_CLS",
     "TensorSpec",
     "WeightSyncWorkerExtension",
