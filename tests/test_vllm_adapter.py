@@ -101,8 +101,20 @@ def run_pair(python: str, tmp_path: Path) -> tuple[dict, dict]:
     port = free_port()
     model_dir, reference, result = tmp_path / "model", tmp_path / "reference.json", tmp_path / "result.json"
     common = ["--model-dir", str(model_dir), "--reference", str(reference), "--port", str(port)]
+    # Every wait inside the children (the engine waiting for the model folder, the group rendezvous) gets
+    # most of the budget: on a loaded machine the two sides start many seconds apart.
+    common += ["--timeout-s", str(CHILD_TIMEOUT_S - 30)]
+    # The trainer runs on the engine's torch build by default (gloo's wire format is not promised across
+    # torch versions); LLAMARL_VLLM_TRAINER_PYTHON points it at another interpreter to try a mix.
+    trainer_python = os.environ.get("LLAMARL_VLLM_TRAINER_PYTHON", python)
     commands = {
-        "trainer": [python, str(SCRIPTS / "trainer.py"), *common, "--policy-version", str(POLICY_VERSION)],
+        "trainer": [
+            trainer_python,
+            str(SCRIPTS / "trainer.py"),
+            *common,
+            "--policy-version",
+            str(POLICY_VERSION),
+        ],
         "engine": [python, str(SCRIPTS / "engine.py"), *common, "--result", str(result)],
     }
     logs = {name: (tmp_path / f"{name}.log").open("w+") for name in commands}

@@ -65,7 +65,9 @@ def main() -> None:
         block_size=32,
         seed=0,
     )
-    log(f"engine up in {time.monotonic() - t0:.1f}s")
+    import torch
+
+    log(f"engine up in {time.monotonic() - t0:.1f}s (torch {torch.__version__})")
 
     wait_for(args.reference, deadline)
     reference = json.loads(args.reference.read_text())

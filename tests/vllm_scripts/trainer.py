@@ -94,7 +94,7 @@ def main() -> None:
     served.save_pretrained(args.model_dir)
     tokenizer.save_pretrained(args.model_dir)
     (args.model_dir / "READY").touch()
-    log(f"served model written to {args.model_dir}")
+    log(f"served model written to {args.model_dir} (torch {torch.__version__})")
     del served
 
     torch.manual_seed(1)
