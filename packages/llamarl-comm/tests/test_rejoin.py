@@ -1,0 +1,84 @@
+"""A receiver process dies; the trainer's next sync fails clearly; a new process for the same rank
+joins and gets the latest weights, without restarting the trainer."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+
+import pytest
+import torch
+
+from llamarl.comm import WeightReceiver, WeightSender, WeightSyncError, WeightSyncGroup
+from llamarl.comm.testing import run_distributed
+
+pytestmark = pytest.mark.timeout(120)
+
+TIMEOUT_S = 10.0
+
+
+def _engine_process(host: str, port: int, out_path: str, die_after: bool) -> None:
+    """One life of the engine at rank 1: join (or rejoin), receive once, save what it got."""
+    group = WeightSyncGroup(host=host, port=port, rank=1, world_size=2, timeout_s=TIMEOUT_S)
+    weights = {"w": torch.zeros(64, 32), "b": torch.zeros(7)}
+    receiver = WeightReceiver(group, weights)
+    version = receiver.receive(timeout_s=60)
+    torch.save({"version": version, "rejoined": receiver.rejoined, "weights": weights}, out_path)
+    if die_after:
+        os._exit(0)  # a crash: no goodbye to anyone
+    time.sleep(1.0)  # let the trainer read the held version before the store connection closes
+    os._exit(0)
+
+
+def _worker(rank: int, world_size: int, rdv):
+    if rank == 0:
+        group = WeightSyncGroup(host=rdv.host, port=rdv.port, rank=0, world_size=2, timeout_s=TIMEOUT_S)
+        weights = {"w": torch.randn(64, 32), "b": torch.randn(7)}
+        sender = WeightSender(group, weights, bucket_bytes=2048)
+        out = {"sent": []}
+        sender.send(1)
+        out["sent"].append({k: v.clone() for k, v in weights.items()})
+        while not os.path.exists(os.path.join(rdv.tmpdir, "first_life_over")):
+            time.sleep(0.05)
+        for t in weights.values():
+            t.add_(1.0)
+        start = time.monotonic()
+        try:
+            sender.send(2)  # the engine is dead
+            out["error"] = None
+        except WeightSyncError as exc:
+            out["error"] = {"peer": exc.peer, "message": str(exc), "seconds": time.monotonic() - start}
+        for t in weights.values():
+            t.mul_(3.0)
+        sender.send(3)  # re-forms the group with the restarted engine, then sends the latest weights
+        out["sent"].append({k: v.clone() for k, v in weights.items()})
+        time.sleep(0.3)
+        out["held"] = sender.held_versions()
+        return out
+    fork = mp.get_context("fork")  # real processes, without a second torch import
+    lives = []
+    for life, die_after in enumerate((True, False)):
+        path = os.path.join(rdv.tmpdir, f"life{life}.pt")
+        proc = fork.Process(target=_engine_process, args=(rdv.host, rdv.port, path, die_after))
+        proc.start()
+        proc.join(timeout=90)
+        assert proc.exitcode == 0, proc.exitcode
+        lives.append(torch.load(path))
+        if life == 0:
+            open(os.path.join(rdv.tmpdir, "first_life_over"), "w").close()
+    return lives
+
+
+def test_restarted_receiver_catches_up() -> None:
+    trainer, lives = run_distributed(_worker, 2, timeout_s=110)
+    assert trainer["error"] is not None and trainer["error"]["peer"] == 1, trainer["error"]
+    assert "peer rank 1" in trainer["error"]["message"]
+    assert trainer["error"]["seconds"] < TIMEOUT_S + 2
+    first, second = lives
+    assert first["version"] == 1 and not first["rejoined"]
+    assert second["version"] == 3 and second["rejoined"]
+    for name in ("w", "b"):
+        assert torch.equal(first["weights"][name], trainer["sent"][0][name])
+        assert torch.equal(second["weights"][name], trainer["sent"][1][name])
+    assert trainer["held"] == {1: 3}
