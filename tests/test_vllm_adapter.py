@@ -5,9 +5,10 @@ test, run from the main suite, drives two processes in that environment:
 
 - tests/vllm_scripts/trainer.py: writes the served model folder (tiny random Llama, seed 0, SmolLM2's
   tokenizer), builds a same-architecture model with different weights (seed 1), records its own greedy
-  continuation, log-probs and tensor digests, then hosts the sync group (rank 0) and sends once;
+  continuation, log-probs and tensor digests, then hosts the sync group (rank 0) and sends twice
+  (first its weights negated, then its weights);
 - tests/vllm_scripts/engine.py: serves the folder with `worker_extension_cls`, generates, joins the group
-  through `collective_rpc("init_weight_sync")`, receives (`sync_weights`), generates again.
+  through `collective_rpc("init_weight_sync")`, receives (`sync_weights`) and generates after each sync.
 
 Skipped only when no vLLM environment exists; a broken one fails. The other tests here need no vLLM
 (this module imports the adapter in the main environment, where vLLM is not installed): they drive the
@@ -154,13 +155,16 @@ def test_vllm_engine_receives_trainer_weights(tmp_path: Path) -> None:
 
     # The version the engine reports through collective_rpc is the one the trainer sent.
     assert res["version_before"] == [0]
-    assert res["policy_version"] == POLICY_VERSION
+    assert res["policy_versions"] == [POLICY_VERSION - 1, POLICY_VERSION]
+    assert res["version_mid"] == [POLICY_VERSION - 1]
     assert res["version_after"] == [POLICY_VERSION]
     # ... and the one the trainer reads back from the group (the receiver reports it after loading).
     assert ref["held_versions"] == {"1": POLICY_VERSION}
 
     # Before the sync the engine served other weights: it must not already agree with the trainer.
     assert res["token_ids_before"] != ref["token_ids"]
+    # The first sync (the trainer's weights negated) changed what the engine serves, to something else.
+    assert res["token_ids_mid"] not in (res["token_ids_before"], ref["token_ids"])
     # After it, greedy decoding of the same prompt gives the trainer's own (HF generate) continuation,
     # with the same per-token log-probs up to kernel differences (float32 on both sides).
     assert res["token_ids_after"] == ref["token_ids"]

@@ -2,7 +2,7 @@
 
 Waits for the trainer to write the served model folder, starts a real vLLM engine on it with llamarl's
 worker extension, generates greedily (old weights), joins the weight-sync group through collective_rpc,
-receives one sync, generates again (new weights), and writes everything the parent test asserts on to
+receives two syncs, generating after each, and writes everything the parent test asserts on to
 `--result` (JSON): versions reported before/after, token ids and log-probs before/after, and vLLM's own
 sha256 of every parameter as the engine holds it after the sync.
 """
@@ -95,13 +95,19 @@ def main() -> None:
             "timeout_s": args.timeout_s,
         },
     )
-    result["policy_version"] = sync_weights(llm)
+    result["policy_versions"] = [sync_weights(llm)]
     result["sync_s"] = time.monotonic() - t0
-    result["version_after"] = llm.collective_rpc("weight_version")
-    log(f"synced policy_version {result['policy_version']} in {result['sync_s']:.2f}s")
+    result["version_mid"] = llm.collective_rpc("weight_version")
+    result["token_ids_mid"], _ = generate()
+    log(f"synced policy_version {result['policy_versions'][0]} in {result['sync_s']:.2f}s (join included)")
+    log(f"after sync 1: {result['token_ids_mid']}")
 
+    t0 = time.monotonic()
+    result["policy_versions"].append(sync_weights(llm))
+    log(f"synced policy_version {result['policy_versions'][1]} in {time.monotonic() - t0:.2f}s")
+    result["version_after"] = llm.collective_rpc("weight_version")
     result["token_ids_after"], result["logprobs_after"] = generate()
-    log(f"after sync:  {result['token_ids_after']}")
+    log(f"after sync 2: {result['token_ids_after']}")
     # vLLM's own per-parameter digests, in its names (fused qkv_proj / gate_up_proj; kernel-repacked
     # linears hash as empty on the CPU backend) — the test compares the ones that keep checkpoint layout.
     checksums = llm.collective_rpc("compute_weight_checksums")[0]

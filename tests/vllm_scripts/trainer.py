@@ -5,7 +5,8 @@
 2. Builds the trainer's model: same architecture, DIFFERENT random weights (seed 1). Records, for the
    parent test, its own greedy continuation and per-token log-probs of a prompt and the sha256 of every
    tensor (HF names), in `--reference` (JSON).
-3. Hosts the weight-sync group as rank 0 and sends its weights once, as `--policy-version`.
+3. Hosts the weight-sync group as rank 0 and sends twice: its weights negated as `--policy-version - 1`,
+   then its weights as `--policy-version`.
 
 Both sides run on the same torch build on purpose: gloo's wire format is not promised across torch
 versions, and an engine embeds whatever torch its vLLM pins.
@@ -138,6 +139,17 @@ def main() -> None:
     group = WeightSyncGroup(host=args.host, port=args.port, rank=0, world_size=2, timeout_s=args.timeout_s)
     sender = WeightSender(group, model, bucket_bytes=4 << 20)  # returns once the engine has joined
     log(f"engine joined the group after {time.monotonic() - t0:.1f}s")
+    # Two syncs, as in training: first the weights negated (as `--policy-version - 1`: a policy that is
+    # neither the served one nor the reference), then the reference weights themselves. Negation is exact,
+    # so the second sync restores the reference bit for bit, and it must fully replace the first.
+    with torch.no_grad():
+        for t in model.state_dict().values():
+            t.neg_()
+    stats = sender.send(args.policy_version - 1)
+    log(f"sent policy_version {args.policy_version - 1} (negated weights): {stats}")
+    with torch.no_grad():
+        for t in model.state_dict().values():
+            t.neg_()
     stats = sender.send(args.policy_version)
     log(f"sent policy_version {args.policy_version}: {stats}")
     # Rank 0 hosts the group's store: stay until the engine has loaded the weights and reported the
