@@ -122,10 +122,10 @@ def _simulate(plan, src_locals, dst_layouts) -> dict[int, dict[str, torch.Tensor
         for bucket in stream.buckets:
             buf = torch.empty(bucket.payload_bytes + TRAILER_BYTES, dtype=torch.uint8)
             pack_bucket(buf, bucket, src_locals[stream.src])
-            write_trailer(
-                buf, bucket, stream_id=stream.stream_id, policy_version=5, sync_index=1, checksum=True
-            )
-            assert read_trailer(buf, bucket)[1:] == (5, 1, stream.stream_id, bucket.index)
+            n = bucket.payload_bytes
+            stamp = {"stream_id": stream.stream_id, "bucket_index": bucket.index, "sync_index": 1}
+            write_trailer(buf[n:], buf[:n], policy_version=5, checksum=True, **stamp)
+            assert read_trailer(buf[n:])[1:] == (5, 1, stream.stream_id, bucket.index)
             for rank in stream.chain:
                 unpack_bucket(buf, bucket, out[rank])
     return out
@@ -133,12 +133,19 @@ def _simulate(plan, src_locals, dst_layouts) -> dict[int, dict[str, torch.Tensor
 
 @pytest.mark.parametrize("num_src", [1, 2, 3])
 @pytest.mark.parametrize("bucket_bytes", [64 << 20, 200])
-def test_fsdp_shards_to_tp_fused_bitwise(num_src: int, bucket_bytes: int) -> None:
+@pytest.mark.parametrize("direct_min_bytes", [0, 1 << 30])
+def test_fsdp_shards_to_tp_fused_bitwise(num_src: int, bucket_bytes: int, direct_min_bytes: int) -> None:
     full = _weights()
     sources, src_locals = _sharded_sources(full, num_src)
     tp_size = 2
     dests = {num_src + r: _tp_dest(r, tp_size) for r in range(tp_size)}
-    plan = make_plan(sources, dests, bucket_bytes=bucket_bytes)
+    plan = make_plan(sources, dests, bucket_bytes=bucket_bytes, direct_min_bytes=direct_min_bytes)
+    num_direct = sum(b.direct for s in plan.streams for b in s.buckets)
+    # Row slices (qkv, gate_up, norm) go zero-copy when allowed; column slices (down) never can.
+    assert (num_direct > 0) == (direct_min_bytes == 0)
+    assert not any(
+        b.direct and b.entries[0].src_name == "down.weight" for s in plan.streams for b in s.buckets
+    )
     got = _simulate(plan, src_locals, dests)
     for r in range(tp_size):
         for name, want in _expected_tp(full, r, tp_size).items():

@@ -21,7 +21,7 @@ TIMEOUT_S = 10.0
 def _engine_process(host: str, port: int, out_path: str, die_after: bool) -> None:
     """One life of the engine at rank 1: join (or rejoin), receive once, save what it got."""
     group = WeightSyncGroup(host=host, port=port, rank=1, world_size=2, timeout_s=TIMEOUT_S)
-    weights = {"w": torch.zeros(64, 32), "b": torch.zeros(7)}
+    weights = {"w": torch.zeros(64, 32), "b": torch.zeros(7), "emb": torch.zeros(300, 256)}
     receiver = WeightReceiver(group, weights)
     version = receiver.receive(timeout_s=60)
     torch.save({"version": version, "rejoined": receiver.rejoined, "weights": weights}, out_path)
@@ -34,8 +34,8 @@ def _engine_process(host: str, port: int, out_path: str, die_after: bool) -> Non
 def _worker(rank: int, world_size: int, rdv):
     if rank == 0:
         group = WeightSyncGroup(host=rdv.host, port=rdv.port, rank=0, world_size=2, timeout_s=TIMEOUT_S)
-        weights = {"w": torch.randn(64, 32), "b": torch.randn(7)}
-        sender = WeightSender(group, weights, bucket_bytes=2048)
+        weights = {"w": torch.randn(64, 32), "b": torch.randn(7), "emb": torch.randn(300, 256)}
+        sender = WeightSender(group, weights, bucket_bytes=64 << 10)
         out = {"sent": []}
         sender.send(1)
         out["sent"].append({k: v.clone() for k, v in weights.items()})
@@ -78,7 +78,7 @@ def test_restarted_receiver_catches_up() -> None:
     first, second = lives
     assert first["version"] == 1 and not first["rejoined"]
     assert second["version"] == 3 and second["rejoined"]
-    for name in ("w", "b"):
+    for name in ("w", "b", "emb"):
         assert torch.equal(first["weights"][name], trainer["sent"][0][name])
         assert torch.equal(second["weights"][name], trainer["sent"][1][name])
     assert trainer["held"] == {1: 3}

@@ -16,6 +16,7 @@ Store protocol (keys under the group's prefix, values JSON):
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,13 +26,16 @@ import torch
 
 from llamarl.comm.buckets import (
     TRAILER_BYTES,
+    box_bytes,
     bucket_checksum,
     pack_bucket,
+    pack_entry,
     read_trailer,
     unpack_bucket,
+    unpack_entry,
     write_trailer,
 )
-from llamarl.comm.layouts import DestLayout, SourceLayout
+from llamarl.comm.layouts import DestLayout, SourceLayout, dtype_from_str
 from llamarl.comm.plan import Bucket, Stream, TransferPlan, make_plan
 from llamarl.comm.transport import WeightSyncError, WeightSyncGroup
 
@@ -50,9 +54,18 @@ class SyncStats:
     generation: int  # group generation the sync ran on
 
 
+TRAILER_TAG = 0x8000  # tag bit of a direct bucket's trailer message
+
+
 def _tag(stream: Stream, bucket: Bucket) -> int:
     # Unique per (stream, bucket) so a message can only ever match its own receive.
-    return (stream.stream_id << 16) | (bucket.index & 0xFFFF)
+    return (stream.stream_id << 16) | (bucket.index & 0x7FFF)
+
+
+def _direct_len(bucket: Bucket) -> int:
+    """Exact bytes of a direct bucket's single raw box (its payload_bytes is rounded up)."""
+    e = bucket.entries[0]
+    return math.prod(e.sizes) * dtype_from_str(e.src_dtype).itemsize
 
 
 class _Endpoint:
@@ -121,6 +134,14 @@ class _Endpoint:
     # ----------------------------------------------------------------------------------------------
     # One sync
 
+    def _trailer(self, stream: Stream, slot: int) -> torch.Tensor:
+        key = (-1 - stream.stream_id, slot)  # trailers of direct buckets, apart from the packed buffers
+        buf = self._buffers.get(key)
+        if buf is None:
+            buf = torch.zeros(TRAILER_BYTES, dtype=torch.uint8, device=self.group.device)
+            self._buffers[key] = buf
+        return buf
+
     def _run(
         self,
         *,
@@ -131,31 +152,54 @@ class _Endpoint:
     ) -> tuple[int, int]:
         """Run this rank's part of the plan. Returns ``(payload bytes, buckets)`` handled here.
 
-        Sources pack bucket k+1 while bucket k is on the wire; destinations keep the next receive posted
-        while they verify, forward and unpack the current one.
+        Sources pack bucket k+1 while bucket k is on the wire; destinations keep the next receives posted
+        while they verify, forward and unpack the current one. Direct buckets skip the packing: sent
+        from the source tensor, received into the destination tensor.
         """
         plan = self.plan
         assert plan is not None
         group = self.group
         schedule = plan.schedule(self.rank)
-        sends: dict[tuple[int, int], tuple[Any, int, int]] = {}  # (stream, slot) -> (work, peer, bucket)
-        recvs: dict[tuple[int, int], Any] = {}
+        sends: dict[
+            tuple[int, int], tuple[list[Any], int, int]
+        ] = {}  # (stream, slot) -> (works, peer, bucket)
+        recvs: dict[tuple[int, int], tuple[list[Any], torch.Tensor, torch.Tensor, bool]] = {}
         total_bytes = 0
 
         def wait_send(key: tuple[int, int]) -> None:
             pending = sends.pop(key, None)
             if pending is not None:
-                work, peer, bucket_index = pending
-                group.wait(work, peer=peer, what="sending weights", bucket=bucket_index)
+                works, peer, bucket_index = pending
+                for work in works:
+                    group.wait(work, peer=peer, what="sending weights", bucket=bucket_index)
 
         def post_recv(stream: Stream, index: int) -> None:
-            if index < len(stream.buckets):
-                bucket = stream.buckets[index]
-                slot = index % NUM_SLOTS
-                buf = self._buffer(stream, slot)[: bucket.payload_bytes + TRAILER_BYTES]
-                recvs[(stream.stream_id, slot)] = group.recv(
-                    buf, stream.upstream(self.rank), _tag(stream, bucket)
-                )
+            if index >= len(stream.buckets):
+                return
+            bucket = stream.buckets[index]
+            slot = index % NUM_SLOTS
+            peer, tag = stream.upstream(self.rank), _tag(stream, bucket)
+            if bucket.direct:
+                assert dst_tensors is not None
+                e = bucket.entries[0]
+                payload = box_bytes(dst_tensors[e.dst_name], e.dst_offsets, e.sizes)
+                staged = payload is None  # destination not contiguous: land in a buffer, then copy
+                if payload is None:
+                    payload = self._buffer(stream, slot)[: _direct_len(bucket)]
+                trailer = self._trailer(stream, slot)
+                works = [
+                    group.recv(payload, peer, tag, bucket=bucket.index),
+                    group.recv(trailer, peer, tag | TRAILER_TAG, bucket=bucket.index),
+                ]
+            else:
+                buf = self._buffer(stream, slot)
+                payload = buf[: bucket.payload_bytes]
+                trailer = buf[bucket.payload_bytes : bucket.payload_bytes + TRAILER_BYTES]
+                works = [
+                    group.recv(buf[: bucket.payload_bytes + TRAILER_BYTES], peer, tag, bucket=bucket.index)
+                ]
+                staged = True
+            recvs[(stream.stream_id, slot)] = (works, payload, trailer, staged)
 
         # Post the first receives of every incoming stream up front: gloo only moves a message once
         # its receive is posted, so this is what lets all sources start at once.
@@ -167,59 +211,83 @@ class _Endpoint:
         for stream, bucket in schedule:
             slot = bucket.index % NUM_SLOTS
             key = (stream.stream_id, slot)
-            n = bucket.payload_bytes
+            tag = _tag(stream, bucket)
             if stream.src == self.rank:
                 assert locals_ is not None
-                wait_send(key)  # the buffer's previous bucket must be on the wire before reuse
-                buf = self._buffer(stream, slot)
-                pack_bucket(buf, bucket, locals_)
-                write_trailer(
-                    buf,
-                    bucket,
-                    stream_id=stream.stream_id,
-                    policy_version=policy_version,
-                    sync_index=sync_index,
-                    checksum=self.checksum,
-                )
-                work = group.send(
-                    buf[: n + TRAILER_BYTES], stream.chain[0], _tag(stream, bucket), bucket=bucket.index
-                )
-                sends[key] = (work, stream.chain[0], bucket.index)
+                wait_send(key)  # the slot's previous bucket must be on the wire before reuse
+                stamp = {
+                    "stream_id": stream.stream_id,
+                    "bucket_index": bucket.index,
+                    "policy_version": policy_version,
+                    "sync_index": sync_index,
+                    "checksum": self.checksum,
+                }
+                dst = stream.chain[0]
+                if bucket.direct:
+                    e = bucket.entries[0]
+                    local, local_offsets = locals_[e.src_name]
+                    rel = tuple(o - lo for o, lo in zip(e.src_offsets, local_offsets, strict=True))
+                    payload = box_bytes(local, rel, e.sizes)
+                    if payload is None:  # source not contiguous after all: pack it
+                        buf = self._buffer(stream, slot)
+                        pack_entry(buf, e, local, local_offsets)
+                        payload = buf[: _direct_len(bucket)]
+                    trailer = self._trailer(stream, slot)
+                    write_trailer(trailer, payload, **stamp)
+                    works = [
+                        group.send(payload, dst, tag, bucket=bucket.index),
+                        group.send(trailer, dst, tag | TRAILER_TAG, bucket=bucket.index),
+                    ]
+                else:
+                    buf = self._buffer(stream, slot)
+                    n = bucket.payload_bytes
+                    pack_bucket(buf, bucket, locals_)
+                    write_trailer(buf[n:], buf[:n], **stamp)
+                    works = [group.send(buf[: n + TRAILER_BYTES], dst, tag, bucket=bucket.index)]
+                sends[key] = (works, dst, bucket.index)
             else:
                 assert dst_tensors is not None
                 upstream = stream.upstream(self.rank)
-                group.wait(recvs.pop(key), peer=upstream, what="receiving weights", bucket=bucket.index)
-                buf = self._buffer(stream, slot)
-                self._verify(
-                    buf, bucket, stream, upstream, policy_version=policy_version, sync_index=sync_index
-                )
+                works, payload, trailer, staged = recvs.pop(key)
+                for work in works:
+                    group.wait(work, peer=upstream, what="receiving weights", bucket=bucket.index)
+                self._verify(payload, trailer, bucket, stream, upstream, policy_version, sync_index)
                 downstream = stream.downstream(self.rank)
                 if downstream is not None:
-                    # Forward the raw bucket (trailer included) before unpacking: the next replica
-                    # receives while this one copies.
-                    work = group.send(
-                        buf[: n + TRAILER_BYTES], downstream, _tag(stream, bucket), bucket=bucket.index
-                    )
-                    sends[key] = (work, downstream, bucket.index)
-                unpack_bucket(buf, bucket, dst_tensors)
+                    # Forward before unpacking: the next replica receives while this one copies.
+                    if bucket.direct:
+                        fwd = [
+                            group.send(payload, downstream, tag, bucket=bucket.index),
+                            group.send(trailer, downstream, tag | TRAILER_TAG, bucket=bucket.index),
+                        ]
+                    else:
+                        n = bucket.payload_bytes
+                        fwd = [group.send(self._buffer(stream, slot)[: n + TRAILER_BYTES], downstream, tag)]
+                    sends[key] = (fwd, downstream, bucket.index)
+                if staged:
+                    buf = self._buffer(stream, slot)
+                    if bucket.direct:
+                        unpack_entry(buf, bucket.entries[0], dst_tensors[bucket.entries[0].dst_name])
+                    else:
+                        unpack_bucket(buf, bucket, dst_tensors)
                 wait_send(key)
                 post_recv(stream, bucket.index + NUM_SLOTS)
-            total_bytes += n
+            total_bytes += bucket.payload_bytes
         for key in list(sends):
             wait_send(key)
         return total_bytes, len(schedule)
 
     def _verify(
         self,
-        buf: torch.Tensor,
+        payload: torch.Tensor,
+        trailer: torch.Tensor,
         bucket: Bucket,
         stream: Stream,
         upstream: int,
-        *,
         policy_version: int,
         sync_index: int,
     ) -> None:
-        got_sum, got_version, got_sync, got_stream, got_bucket = read_trailer(buf, bucket)
+        got_sum, got_version, got_sync, got_stream, got_bucket = read_trailer(trailer)
         where = f"bucket {bucket.index} of stream {stream.stream_id} from peer rank {upstream}"
         if (got_version, got_sync, got_stream, got_bucket) != (
             policy_version,
@@ -235,7 +303,7 @@ class _Endpoint:
                 bucket=bucket.index,
             )
         if self.checksum:
-            want = bucket_checksum(buf[: bucket.payload_bytes])
+            want = bucket_checksum(payload)
             if want != got_sum:
                 raise WeightSyncError(
                     f"rank {self.rank}: checksum mismatch in {where}: computed {want}, sent {got_sum}",

@@ -1,7 +1,9 @@
 """Packing plan entries into flat byte buckets and back, with a cheap checksum per bucket.
 
 A bucket on the wire is ``payload_bytes`` of entries (each 8-byte aligned, see ``plan.Entry``) followed
-by a 32-byte trailer of four int64 words: checksum, policy_version, sync index, stream/bucket id.
+by a 32-byte trailer of four int64 words: checksum, policy_version, sync index, stream/bucket id. A
+direct bucket (``Bucket.direct``) is one raw box sent straight from the source tensor's memory into the
+destination tensor's, with its trailer as a second, 32-byte message.
 The checksum is the wrapping sum of the payload read as int64 words: one memory pass, computed by torch,
 independent of summation order, and it catches truncated, shifted, stale or zeroed buckets (it is not a
 cryptographic hash: it guards against bugs and torn transfers, not adversaries).
@@ -22,6 +24,7 @@ from llamarl.comm.plan import BF16, FP8, Bucket, Entry
 __all__ = [
     "FP8_MAX",
     "TRAILER_BYTES",
+    "box_bytes",
     "bucket_checksum",
     "pack_bucket",
     "read_trailer",
@@ -38,8 +41,22 @@ def _box(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[slice, ...]:
 
 
 def bucket_checksum(payload_u8: torch.Tensor) -> int:
-    """Wrapping int64 sum of a payload (uint8, length a multiple of 8) read as int64 words."""
-    return int(payload_u8.view(torch.int64).sum())
+    """Wrapping int64 sum of a payload (uint8) read as int64 words; a ragged tail adds its bytes."""
+    n = payload_u8.numel()
+    whole = n - n % 8
+    total = int(payload_u8[:whole].view(torch.int64).sum()) if whole else 0
+    if whole != n:
+        total += int(payload_u8[whole:].sum(dtype=torch.int64))
+    return total
+
+
+def box_bytes(tensor: torch.Tensor, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor | None:
+    """The bytes of a box of ``tensor`` as one uint8 view, if the tensor is contiguous and the box is one
+    run of memory there (see ``plan.is_contiguous_box``); None otherwise."""
+    if not tensor.is_contiguous():
+        return None
+    start = sum(o * st for o, st in zip(offsets, tensor.stride(), strict=True))
+    return tensor.reshape(-1)[start : start + math.prod(sizes)].view(torch.uint8)
 
 
 def _fp8_rows(sizes: tuple[int, ...]) -> int:
@@ -109,25 +126,24 @@ def unpack_bucket(buf_u8: torch.Tensor, bucket: Bucket, dst_tensors: dict[str, t
 
 
 def write_trailer(
-    buf_u8: torch.Tensor,
-    bucket: Bucket,
+    out_u8: torch.Tensor,
+    payload_u8: torch.Tensor,
     *,
     stream_id: int,
+    bucket_index: int,
     policy_version: int,
     sync_index: int,
     checksum: bool,
 ) -> None:
-    """Write the trailer after the payload (checksum 0 when checksums are off)."""
-    n = bucket.payload_bytes
-    total = bucket_checksum(buf_u8[:n]) if checksum else 0
+    """Write the 32-byte trailer of ``payload_u8`` into ``out_u8`` (checksum 0 when checksums are off)."""
+    total = bucket_checksum(payload_u8) if checksum else 0
     words = torch.tensor(
-        [total, policy_version, sync_index, (stream_id << 32) | bucket.index], dtype=torch.int64
+        [total, policy_version, sync_index, (stream_id << 32) | bucket_index], dtype=torch.int64
     )
-    buf_u8[n : n + TRAILER_BYTES].view(torch.int64).copy_(words)
+    out_u8[:TRAILER_BYTES].view(torch.int64).copy_(words)
 
 
-def read_trailer(buf_u8: torch.Tensor, bucket: Bucket) -> tuple[int, int, int, int, int]:
-    """``(checksum, policy_version, sync_index, stream_id, bucket_index)`` from a received bucket."""
-    n = bucket.payload_bytes
-    total, version, sync_index, ident = buf_u8[n : n + TRAILER_BYTES].view(torch.int64).tolist()
+def read_trailer(trailer_u8: torch.Tensor) -> tuple[int, int, int, int, int]:
+    """``(checksum, policy_version, sync_index, stream_id, bucket_index)`` from a 32-byte trailer."""
+    total, version, sync_index, ident = trailer_u8[:TRAILER_BYTES].view(torch.int64).tolist()
     return total, version, sync_index, ident >> 32, ident & 0xFFFFFFFF

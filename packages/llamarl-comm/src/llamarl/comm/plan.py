@@ -112,6 +112,9 @@ class Bucket:
     index: int  # position in its stream
     entries: tuple[Entry, ...]  # in byte order
     payload_bytes: int  # sum of the entries' (aligned) sizes
+    # Direct (zero-copy) bucket: one raw entry, contiguous in the source's local tensor and in the
+    # destination tensor, sent from and received into them (the trailer travels as its own message).
+    direct: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -192,6 +195,29 @@ class _Cell:
     src_dtype: str
     dst_name: str
     dst_offsets: Shape
+    src_local_offsets: Shape  # the holder's box in the full parameter
+    src_local_sizes: Shape  # the holder's local tensor shape
+    dst_shape: Shape  # the destination tensor's local shape
+    dst_dtype: str
+
+
+def is_contiguous_box(offsets: Shape, sizes: Shape, shape: Shape) -> bool:
+    """Whether a box of a row-major contiguous tensor of ``shape`` is one contiguous run of memory:
+    after its first dim longer than 1, every dim must be whole."""
+    del offsets  # where the box starts does not matter, only which dims it cuts
+    dims = [d for d, n in enumerate(sizes) if n > 1]
+    return not dims or all(sizes[d] == shape[d] for d in range(dims[0] + 1, len(shape)))
+
+
+def _is_direct(cell: _Cell, wire: str, min_bytes: int) -> bool:
+    rel = tuple(o - lo for o, lo in zip(cell.src_offsets, cell.src_local_offsets, strict=True))
+    return (
+        wire == "raw"
+        and cell.dst_dtype == cell.src_dtype
+        and math.prod(cell.sizes) * dtype_from_str(cell.src_dtype).itemsize >= min_bytes
+        and is_contiguous_box(rel, cell.sizes, cell.src_local_sizes)
+        and is_contiguous_box(cell.dst_offsets, cell.sizes, cell.dst_shape)
+    )
 
 
 def _box_contains(outer_off: Shape, outer_sz: Shape, off: Shape, sz: Shape) -> bool:
@@ -240,17 +266,37 @@ def _split_cells(
     return cells
 
 
-def _bucketize(cells: list[_Cell], wire_dtype: str | None, bucket_bytes: int) -> tuple[Bucket, ...]:
-    """Pack cells into buckets of at most ``bucket_bytes`` payload, splitting boxes that do not fit."""
-    buckets: list[Bucket] = []
+def _bucketize(
+    cells: list[_Cell], wire_dtype: str | None, bucket_bytes: int, direct_min_bytes: int
+) -> tuple[Bucket, ...]:
+    """Pack cells into buckets of at most ``bucket_bytes`` payload, splitting boxes that do not fit.
+
+    Large contiguous cells become direct buckets (one entry each, split at ``bucket_bytes`` so streams
+    still interleave); the others share packed buckets.
+    """
+    direct: list[tuple[Entry, ...]] = []
+    packed: list[tuple[Entry, ...]] = []
     entries: list[Entry] = []
     used = 0
 
     def close() -> None:
         nonlocal entries, used
         if entries:
-            buckets.append(Bucket(index=len(buckets), entries=tuple(entries), payload_bytes=used))
+            packed.append(tuple(entries))
         entries, used = [], 0
+
+    def entry(cell: _Cell, delta: Shape, sizes: Shape, wire: str, byte_offset: int, nbytes: int) -> Entry:
+        return Entry(
+            src_name=cell.src_name,
+            src_offsets=tuple(a + b for a, b in zip(cell.src_offsets, delta, strict=True)),
+            sizes=sizes,
+            src_dtype=cell.src_dtype,
+            wire=wire,
+            dst_name=cell.dst_name,
+            dst_offsets=tuple(a + b for a, b in zip(cell.dst_offsets, delta, strict=True)),
+            byte_offset=byte_offset,
+            nbytes=nbytes,
+        )
 
     # Work items: (cell, delta offsets within the cell, sizes)
     todo: list[tuple[_Cell, Shape, Shape]] = [(c, (0,) * len(c.sizes), c.sizes) for c in cells]
@@ -262,6 +308,14 @@ def _bucketize(cells: list[_Cell], wire_dtype: str | None, bucket_bytes: int) ->
         def cost(sz: Shape, _cell: _Cell = cell, _wire: str = wire) -> int:
             return entry_nbytes(sz, _cell.src_dtype, _wire)
 
+        if _is_direct(cell, wire, direct_min_bytes):
+            fit = _split_to_fit(delta, sizes, cost, bucket_bytes)
+            if fit is None:
+                raise PlanError(f"bucket_bytes={bucket_bytes} cannot hold one element of {cell.src_name}")
+            (h_delta, h_sizes), rest = fit
+            direct.append((entry(cell, h_delta, h_sizes, wire, 0, cost(h_sizes)),))
+            todo.extend((cell, d, s) for d, s in reversed(rest))
+            continue
         fit = _split_to_fit(delta, sizes, cost, bucket_bytes - used)
         if fit is None:
             if not entries:
@@ -271,24 +325,20 @@ def _bucketize(cells: list[_Cell], wire_dtype: str | None, bucket_bytes: int) ->
             continue
         (h_delta, h_sizes), rest = fit
         nbytes = cost(h_sizes)
-        entries.append(
-            Entry(
-                src_name=cell.src_name,
-                src_offsets=tuple(a + b for a, b in zip(cell.src_offsets, h_delta, strict=True)),
-                sizes=h_sizes,
-                src_dtype=cell.src_dtype,
-                wire=wire,
-                dst_name=cell.dst_name,
-                dst_offsets=tuple(a + b for a, b in zip(cell.dst_offsets, h_delta, strict=True)),
-                byte_offset=used,
-                nbytes=nbytes,
-            )
-        )
+        entries.append(entry(cell, h_delta, h_sizes, wire, used, nbytes))
         used += nbytes
         if rest:
             close()  # the remainder did not fit: this bucket is full
             todo.extend((cell, d, s) for d, s in reversed(rest))
     close()
+    buckets = [
+        Bucket(index=i, entries=es, payload_bytes=sum(e.nbytes for e in es), direct=True)
+        for i, es in enumerate(direct)
+    ]
+    buckets += [
+        Bucket(index=len(buckets) + i, entries=es, payload_bytes=sum(e.nbytes for e in es))
+        for i, es in enumerate(packed)
+    ]
     return tuple(buckets)
 
 
@@ -335,11 +385,14 @@ def make_plan(
     *,
     bucket_bytes: int = 64 << 20,
     strict: bool = True,
+    direct_min_bytes: int = 256 << 10,
 ) -> TransferPlan:
     """Compute the transfer plan from every rank's layout (keys: group ranks).
 
     ``strict``: every source parameter must be wanted by some destination (catches name mismatches on
-    both sides). Raises ``PlanError`` with the rank and name at fault when the layouts do not fit.
+    both sides). Boxes of at least ``direct_min_bytes`` that are contiguous on both sides and keep their
+    dtype go zero-copy in buckets of their own (``Bucket.direct``); the rest is packed. Raises
+    ``PlanError`` with the rank and name at fault when the layouts do not fit.
     """
     if bucket_bytes < 64:
         raise PlanError(f"bucket_bytes={bucket_bytes} is too small")
@@ -404,12 +457,24 @@ def make_plan(
                             f"{p.src_name}[{off}+{sz}] (for {t.name}) is held whole by no source rank"
                         )
                     src = min(owners, key=lambda r: (load[r], r))
+                    holder_box = {r: (h_off, h_sz) for r, h_off, h_sz in holders_by_name[p.src_name]}
                     load[src] += math.prod(sz) * dtype_from_str(src_dtype).itemsize
                     dst_off = tuple(
                         d + (o - s) for d, o, s in zip(p.dst_offsets, off, p.src_offsets, strict=True)
                     )
                     cells_by_src.setdefault(src, []).append(
-                        _Cell(p.src_name, off, sz, src_dtype, t.name, dst_off)
+                        _Cell(
+                            p.src_name,
+                            off,
+                            sz,
+                            src_dtype,
+                            t.name,
+                            dst_off,
+                            src_local_offsets=holder_box[src][0],
+                            src_local_sizes=holder_box[src][1],
+                            dst_shape=t.shape,
+                            dst_dtype=t.dtype,
+                        )
                     )
             if covered != math.prod(t.shape):
                 raise PlanError(
@@ -420,7 +485,7 @@ def make_plan(
             # Rotate chains so the forwarding work of a class is spread over its members.
             k = len(streams) % len(members)
             chain = tuple(members[k:] + members[:k])
-            buckets = _bucketize(cells, wire_dtype, bucket_bytes)
+            buckets = _bucketize(cells, wire_dtype, bucket_bytes, direct_min_bytes)
             streams.append(Stream(stream_id=len(streams), src=src, chain=chain, buckets=buckets))
 
     if strict:

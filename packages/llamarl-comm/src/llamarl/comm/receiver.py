@@ -78,7 +78,8 @@ class WeightReceiver:
         if rejoining:
             # Ask for a new generation; the next sync on a generation not yet formed is ours.
             self._endpoint.rejoining = True
-            self._endpoint._sync_index = group.add("sync/count", 0)
+            # Start from the latest announced sync: it may be the one re-forming the group for us.
+            self._endpoint._sync_index = max(0, group.add("sync/count", 0) - 1)
             group.add("gen/requested", 1)
         else:
             group.form(0)
