@@ -41,6 +41,8 @@ from llamarl.comm.transport import WeightSyncError, WeightSyncGroup
 
 # Buffers per stream on each rank: one being packed/unpacked while the other is on the wire.
 NUM_SLOTS = 2
+# Direct (zero-copy) receives a destination keeps posted ahead of the one it is verifying.
+DIRECT_WINDOW = 16
 
 
 @dataclass(kw_only=True)
@@ -123,6 +125,7 @@ class _Endpoint:
         return min(self.plan.source_ranks)
 
     def _buffer(self, stream: Stream, slot: int) -> torch.Tensor:
+        """A bucket-sized staging buffer of ``stream`` (slots are reused sync after sync)."""
         key = (stream.stream_id, slot)
         buf = self._buffers.get(key)
         if buf is None:
@@ -131,16 +134,11 @@ class _Endpoint:
             self._buffers[key] = buf
         return buf
 
+    def _trailer(self) -> torch.Tensor:
+        return torch.zeros(TRAILER_BYTES, dtype=torch.uint8, device=self.group.device)
+
     # ----------------------------------------------------------------------------------------------
     # One sync
-
-    def _trailer(self, stream: Stream, slot: int) -> torch.Tensor:
-        key = (-1 - stream.stream_id, slot)  # trailers of direct buckets, apart from the packed buffers
-        buf = self._buffers.get(key)
-        if buf is None:
-            buf = torch.zeros(TRAILER_BYTES, dtype=torch.uint8, device=self.group.device)
-            self._buffers[key] = buf
-        return buf
 
     def _run(
         self,
@@ -152,9 +150,11 @@ class _Endpoint:
     ) -> tuple[int, int]:
         """Run this rank's part of the plan. Returns ``(payload bytes, buckets)`` handled here.
 
-        Sources pack bucket k+1 while bucket k is on the wire; destinations keep the next receives posted
-        while they verify, forward and unpack the current one. Direct buckets skip the packing: sent
-        from the source tensor, received into the destination tensor.
+        Packed buckets cycle through ``NUM_SLOTS`` buffers per stream: sources pack bucket k+1 while
+        bucket k is on the wire; destinations keep the next receive posted while they verify, forward
+        and unpack the current one. Direct buckets need no buffer: sources start them all at once
+        (payload first, the checksum trailer while it travels), destinations post up to
+        ``DIRECT_WINDOW`` receives ahead straight into the destination tensors.
         """
         plan = self.plan
         assert plan is not None
@@ -163,94 +163,102 @@ class _Endpoint:
         sends: dict[
             tuple[int, int], tuple[list[Any], int, int]
         ] = {}  # (stream, slot) -> (works, peer, bucket)
-        recvs: dict[tuple[int, int], tuple[list[Any], torch.Tensor, torch.Tensor, bool]] = {}
+        loose: list[tuple[list[Any], int, int]] = []  # direct sends and forwards: waited at the end
+        recvs: dict[tuple[int, int], tuple[list[Any], torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
+        next_post: dict[int, int] = {}  # stream -> next bucket index to post a receive for
         total_bytes = 0
+
+        def wait_all(works: list[Any], peer: int, bucket_index: int, what: str) -> None:
+            for work in works:
+                group.wait(work, peer=peer, what=what, bucket=bucket_index)
 
         def wait_send(key: tuple[int, int]) -> None:
             pending = sends.pop(key, None)
             if pending is not None:
-                works, peer, bucket_index = pending
-                for work in works:
-                    group.wait(work, peer=peer, what="sending weights", bucket=bucket_index)
+                wait_all(*pending, "sending weights")
 
-        def post_recv(stream: Stream, index: int) -> None:
-            if index >= len(stream.buckets):
-                return
-            bucket = stream.buckets[index]
-            slot = index % NUM_SLOTS
-            peer, tag = stream.upstream(self.rank), _tag(stream, bucket)
-            if bucket.direct:
-                assert dst_tensors is not None
-                e = bucket.entries[0]
-                payload = box_bytes(dst_tensors[e.dst_name], e.dst_offsets, e.sizes)
-                staged = payload is None  # destination not contiguous: land in a buffer, then copy
-                if payload is None:
-                    payload = self._buffer(stream, slot)[: _direct_len(bucket)]
-                trailer = self._trailer(stream, slot)
-                works = [
-                    group.recv(payload, peer, tag, bucket=bucket.index),
-                    group.recv(trailer, peer, tag | TRAILER_TAG, bucket=bucket.index),
-                ]
-            else:
-                buf = self._buffer(stream, slot)
-                payload = buf[: bucket.payload_bytes]
-                trailer = buf[bucket.payload_bytes : bucket.payload_bytes + TRAILER_BYTES]
-                works = [
-                    group.recv(buf[: bucket.payload_bytes + TRAILER_BYTES], peer, tag, bucket=bucket.index)
-                ]
-                staged = True
-            recvs[(stream.stream_id, slot)] = (works, payload, trailer, staged)
+        def packed_slot(stream: Stream, bucket: Bucket) -> int:
+            return (bucket.index - stream.num_direct) % NUM_SLOTS
+
+        def post_recvs(stream: Stream, processed: int) -> None:
+            """Post receives ahead: direct ones up to DIRECT_WINDOW, packed ones as slots free up."""
+            i = next_post.get(stream.stream_id, 0)
+            while i < len(stream.buckets):
+                bucket = stream.buckets[i]
+                window = DIRECT_WINDOW if bucket.direct else NUM_SLOTS
+                if i - window >= processed:
+                    break
+                peer, tag = stream.upstream(self.rank), _tag(stream, bucket)
+                staged: torch.Tensor | None = None
+                trailer = self._trailer()
+                if bucket.direct:
+                    assert dst_tensors is not None
+                    e = bucket.entries[0]
+                    payload = box_bytes(dst_tensors[e.dst_name], e.dst_offsets, e.sizes)
+                    if payload is None:  # destination not contiguous: land in a buffer of its own, then copy
+                        staged = torch.empty(_direct_len(bucket), dtype=torch.uint8, device=group.device)
+                        payload = staged
+                    works = [
+                        group.recv(payload, peer, tag, bucket=bucket.index),
+                        group.recv(trailer, peer, tag | TRAILER_TAG, bucket=bucket.index),
+                    ]
+                else:
+                    staged = self._buffer(stream, packed_slot(stream, bucket))
+                    n = bucket.payload_bytes
+                    payload, trailer = staged[:n], staged[n : n + TRAILER_BYTES]
+                    works = [group.recv(staged[: n + TRAILER_BYTES], peer, tag, bucket=bucket.index)]
+                recvs[(stream.stream_id, i)] = (works, payload, trailer, staged)
+                i += 1
+            next_post[stream.stream_id] = i
 
         # Post the first receives of every incoming stream up front: gloo only moves a message once
         # its receive is posted, so this is what lets all sources start at once.
         for stream in plan.streams:
             if self.rank in stream.chain:
-                for i in range(NUM_SLOTS):
-                    post_recv(stream, i)
+                post_recvs(stream, 0)
 
         for stream, bucket in schedule:
-            slot = bucket.index % NUM_SLOTS
-            key = (stream.stream_id, slot)
             tag = _tag(stream, bucket)
+            stamp = {
+                "stream_id": stream.stream_id,
+                "bucket_index": bucket.index,
+                "policy_version": policy_version,
+                "sync_index": sync_index,
+                "checksum": self.checksum,
+            }
             if stream.src == self.rank:
                 assert locals_ is not None
-                wait_send(key)  # the slot's previous bucket must be on the wire before reuse
-                stamp = {
-                    "stream_id": stream.stream_id,
-                    "bucket_index": bucket.index,
-                    "policy_version": policy_version,
-                    "sync_index": sync_index,
-                    "checksum": self.checksum,
-                }
                 dst = stream.chain[0]
                 if bucket.direct:
                     e = bucket.entries[0]
                     local, local_offsets = locals_[e.src_name]
                     rel = tuple(o - lo for o, lo in zip(e.src_offsets, local_offsets, strict=True))
                     payload = box_bytes(local, rel, e.sizes)
-                    if payload is None:  # source not contiguous after all: pack it
-                        buf = self._buffer(stream, slot)
-                        pack_entry(buf, e, local, local_offsets)
-                        payload = buf[: _direct_len(bucket)]
-                    trailer = self._trailer(stream, slot)
-                    write_trailer(trailer, payload, **stamp)
-                    works = [
-                        group.send(payload, dst, tag, bucket=bucket.index),
-                        group.send(trailer, dst, tag | TRAILER_TAG, bucket=bucket.index),
-                    ]
+                    if payload is None:  # source not contiguous after all: pack it into its own buffer
+                        payload = torch.empty(_direct_len(bucket), dtype=torch.uint8, device=group.device)
+                        pack_entry(payload, e, local, local_offsets)
+                    works = [group.send(payload, dst, tag, bucket=bucket.index)]
+                    trailer = self._trailer()
+                    write_trailer(trailer, payload, **stamp)  # checksum while the payload travels
+                    works.append(group.send(trailer, dst, tag | TRAILER_TAG, bucket=bucket.index))
+                    loose.append((works, dst, bucket.index))
                 else:
-                    buf = self._buffer(stream, slot)
+                    key = (stream.stream_id, packed_slot(stream, bucket))
+                    wait_send(key)  # the slot's previous bucket must be on the wire before reuse
+                    buf = self._buffer(stream, key[1])
                     n = bucket.payload_bytes
                     pack_bucket(buf, bucket, locals_)
                     write_trailer(buf[n:], buf[:n], **stamp)
-                    works = [group.send(buf[: n + TRAILER_BYTES], dst, tag, bucket=bucket.index)]
-                sends[key] = (works, dst, bucket.index)
+                    sends[key] = (
+                        [group.send(buf[: n + TRAILER_BYTES], dst, tag, bucket=bucket.index)],
+                        dst,
+                        bucket.index,
+                    )
             else:
                 assert dst_tensors is not None
                 upstream = stream.upstream(self.rank)
-                works, payload, trailer, staged = recvs.pop(key)
-                for work in works:
-                    group.wait(work, peer=upstream, what="receiving weights", bucket=bucket.index)
+                works, payload, trailer, staged = recvs.pop((stream.stream_id, bucket.index))
+                wait_all(works, upstream, bucket.index, "receiving weights")
                 self._verify(payload, trailer, bucket, stream, upstream, policy_version, sync_index)
                 downstream = stream.downstream(self.rank)
                 if downstream is not None:
@@ -260,21 +268,24 @@ class _Endpoint:
                             group.send(payload, downstream, tag, bucket=bucket.index),
                             group.send(trailer, downstream, tag | TRAILER_TAG, bucket=bucket.index),
                         ]
+                        loose.append((fwd, downstream, bucket.index))
                     else:
                         n = bucket.payload_bytes
-                        fwd = [group.send(self._buffer(stream, slot)[: n + TRAILER_BYTES], downstream, tag)]
-                    sends[key] = (fwd, downstream, bucket.index)
-                if staged:
-                    buf = self._buffer(stream, slot)
+                        assert staged is not None
+                        fwd = [group.send(staged[: n + TRAILER_BYTES], downstream, tag, bucket=bucket.index)]
+                        sends[(stream.stream_id, -1)] = (fwd, downstream, bucket.index)
+                if staged is not None:
                     if bucket.direct:
-                        unpack_entry(buf, bucket.entries[0], dst_tensors[bucket.entries[0].dst_name])
+                        unpack_entry(staged, bucket.entries[0], dst_tensors[bucket.entries[0].dst_name])
                     else:
-                        unpack_bucket(buf, bucket, dst_tensors)
-                wait_send(key)
-                post_recv(stream, bucket.index + NUM_SLOTS)
+                        unpack_bucket(staged, bucket, dst_tensors)
+                wait_send((stream.stream_id, -1))  # a packed forward must finish before its slot is reused
+                post_recvs(stream, bucket.index + 1)
             total_bytes += bucket.payload_bytes
         for key in list(sends):
             wait_send(key)
+        for works, peer, bucket_index in loose:
+            wait_all(works, peer, bucket_index, "sending weights")
         return total_bytes, len(schedule)
 
     def _verify(

@@ -127,6 +127,11 @@ class Stream:
     buckets: tuple[Bucket, ...]
 
     @property
+    def num_direct(self) -> int:
+        """Direct buckets of the stream (they come first)."""
+        return sum(b.direct for b in self.buckets)
+
+    @property
     def nbytes(self) -> int:
         """Payload bytes of the whole stream."""
         return sum(b.payload_bytes for b in self.buckets)
