@@ -85,3 +85,27 @@ def test_unknown_loss_or_hyperparameter_fails_at_construction(tiny_model_dir):
         PolicyTrainer(TrainerConfig(model=str(tiny_model_dir), loss="nope"))
     with pytest.raises(ValueError, match="no hyper-parameter"):
         PolicyTrainer(TrainerConfig(model=str(tiny_model_dir), loss_hparams={"rhoo": 2.0}))
+
+
+def test_shared_prompt_forward_matches_the_full_forward(tiny_model_dir, batch):
+    """Running each prompt once per group (keys/values reused) gives the same log-probs and gradients."""
+    shared = _trainer(tiny_model_dir, micro_batch_size=4, share_prompts=True)  # groups of 2: shared
+    full = _trainer(tiny_model_dir, micro_batch_size=4, share_prompts=False)
+    assert shared._can_share_prompts(batch.prompt_ids_BP[:4], batch.prompt_mask_BP[:4], batch.group_size)
+    torch.testing.assert_close(
+        shared.compute_logprobs(batch), full.compute_logprobs(batch), rtol=1e-5, atol=1e-5
+    )
+    shared_metrics = shared.accumulate_gradients(batch)
+    full_metrics = full.accumulate_gradients(batch)
+    assert shared_metrics["loss"] == pytest.approx(full_metrics["loss"], rel=1e-5, abs=1e-7)
+    for (name, p_shared), p_full in zip(
+        shared.model.named_parameters(), full.model.parameters(), strict=True
+    ):
+        torch.testing.assert_close(p_shared.grad, p_full.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_prompt_sharing_falls_back_when_a_group_is_split(tiny_model_dir, batch):
+    trainer = _trainer(tiny_model_dir, micro_batch_size=3)
+    # Rows 0..2 hold one whole group and half of the next: not shareable, so the full forward runs.
+    assert not trainer._can_share_prompts(batch.prompt_ids_BP[:3], batch.prompt_mask_BP[:3], batch.group_size)
+    assert not trainer._can_share_prompts(batch.prompt_ids_BP[1:3], batch.prompt_mask_BP[1:3], 2)

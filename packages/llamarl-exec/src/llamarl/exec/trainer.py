@@ -18,6 +18,7 @@ and `_global_counts` (all-reduce the token and sequence counts that divide the l
 
 from __future__ import annotations
 
+import inspect
 import math
 import time
 from dataclasses import dataclass, field
@@ -53,6 +54,8 @@ class TrainerConfig:
     advantage_hparams: dict = field(default_factory=dict)  # its hyper-parameters
     logprob_chunk_size: int = 512  # tokens upcast to float32 at a time when computing log-probs
     gradient_checkpointing: bool = False  # recompute activations in backward to save memory
+    share_prompts: bool = True  # forward each prompt once per group and reuse its keys/values (with
+    # gradient) for the group's samples; needs micro-batches of whole groups, else falls back
     seed: int | None = None  # seeds torch's RNG in setup(); None leaves it
 
 
@@ -163,7 +166,11 @@ class PolicyTrainer:
             mask_MC = batch.completion_mask_BC[rows].to(device)
             micro_tokens = int(mask_MC.sum())
             logprobs_MC, length = self._completion_logprobs(
-                batch.prompt_ids_BP[rows], batch.prompt_mask_BP[rows], batch.completion_ids_BC[rows], mask_MC
+                batch.prompt_ids_BP[rows],
+                batch.prompt_mask_BP[rows],
+                batch.completion_ids_BC[rows],
+                mask_MC,
+                group_size=batch.group_size,
             )
             mask_MC = mask_MC[:, :length]
             loss, loss_metrics = self.loss_fn(
@@ -202,6 +209,8 @@ class PolicyTrainer:
         prompt_mask_MP: torch.Tensor,
         completion_ids_MC: torch.Tensor,
         completion_mask_MC: torch.Tensor,
+        *,
+        group_size: int = 1,
     ) -> tuple[torch.Tensor, int]:
         """log softmax(logits / T) of the completion tokens of one micro-batch, with gradient.
 
@@ -221,6 +230,87 @@ class PolicyTrainer:
         completion_ids_MC = completion_ids_MC[:, :length].to(device)
         completion_mask_MC = completion_mask_MC[:, :length]
 
+        if self._can_share_prompts(prompt_ids_MP, prompt_mask_MP, group_size):
+            logits_MCV = self._shared_prompt_logits(
+                prompt_ids_MP, prompt_mask_MP, completion_ids_MC, completion_mask_MC, group_size
+            )
+        else:
+            logits_MCV = self._full_logits(
+                prompt_ids_MP, prompt_mask_MP, completion_ids_MC, completion_mask_MC
+            )
+        logprobs_MC = token_logprobs(
+            logits_MCV,
+            completion_ids_MC,
+            temperature=self.config.temperature,
+            chunk_size=self.config.logprob_chunk_size,
+        )
+        return logprobs_MC, length
+
+    def _can_share_prompts(
+        self, prompt_ids_MP: torch.Tensor, prompt_mask_MP: torch.Tensor, group_size: int
+    ) -> bool:
+        rows = prompt_ids_MP.shape[0]
+        if not self.config.share_prompts or group_size < 2 or rows % group_size:
+            return False
+        # The batch contract puts a prompt's samples next to each other; check it rather than trust it.
+        ids_GSP = prompt_ids_MP.view(rows // group_size, group_size, -1)
+        mask_GSP = prompt_mask_MP.view(rows // group_size, group_size, -1)
+        return bool((ids_GSP == ids_GSP[:, :1]).all() and (mask_GSP == mask_GSP[:, :1]).all())
+
+    def _shared_prompt_logits(
+        self,
+        prompt_ids_MP: torch.Tensor,
+        prompt_mask_MP: torch.Tensor,
+        completion_ids_MC: torch.Tensor,
+        completion_mask_MC: torch.Tensor,
+        group_size: int,
+    ) -> torch.Tensor:
+        """Logits predicting the completion tokens, [M, C, V], with each group's prompt run only once.
+
+        The prompt's keys and values are computed once per group (G = M / group_size rows) with
+        gradient, repeated for the group's samples, and the completions attend to them: the same
+        function as the full forward, with the prompt's share of the work divided by the group size.
+        """
+        prompt_ids_GP = prompt_ids_MP[::group_size]
+        prompt_mask_GP = prompt_mask_MP[::group_size]
+        prompt_out = self.model(
+            input_ids=prompt_ids_GP,
+            attention_mask=prompt_mask_GP,
+            position_ids=(prompt_mask_GP.cumsum(1) - 1).clamp(min=0),
+            use_cache=True,
+            logits_to_keep=1,  # the last prompt position predicts the first completion token
+        )
+        cache = prompt_out.past_key_values
+        cache.batch_repeat_interleave(group_size)
+        first_logits_M1V = prompt_out.logits.repeat_interleave(group_size, dim=0)
+        length = completion_ids_MC.shape[1]
+        if length == 1:
+            return first_logits_M1V
+        # Completion tokens 0..C-2 are the inputs whose logits predict tokens 1..C-1.
+        attention_mask_MT = torch.cat([prompt_mask_MP, completion_mask_MC.to(prompt_mask_MP.dtype)], dim=1)
+        position_ids_MT = (attention_mask_MT.cumsum(1) - 1).clamp(min=0)
+        completion_out = self.model(
+            input_ids=completion_ids_MC[:, :-1],
+            attention_mask=attention_mask_MT[:, :-1],
+            position_ids=position_ids_MT[:, prompt_ids_MP.shape[1] : -1],
+            **{self._cache_argument(): cache},
+            use_cache=True,
+        )
+        return torch.cat([first_logits_M1V, completion_out.logits], dim=1)
+
+    def _cache_argument(self) -> str:
+        # Newer transformers name the forward's cache argument `cache` (`past_key_values` is deprecated).
+        return "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+
+    def _full_logits(
+        self,
+        prompt_ids_MP: torch.Tensor,
+        prompt_mask_MP: torch.Tensor,
+        completion_ids_MC: torch.Tensor,
+        completion_mask_MC: torch.Tensor,
+    ) -> torch.Tensor:
+        """Logits predicting the completion tokens, [M, C, V], from one forward over prompt + completion."""
+        length = completion_ids_MC.shape[1]
         input_ids_MT = torch.cat([prompt_ids_MP, completion_ids_MC], dim=1)
         attention_mask_MT = torch.cat([prompt_mask_MP, completion_mask_MC.to(prompt_mask_MP.dtype)], dim=1)
         # Positions count real tokens only, as in generate() with left padding; padding gets position 0.
@@ -234,13 +324,7 @@ class PolicyTrainer:
             use_cache=False,
             logits_to_keep=length + 1,
         ).logits[:, :-1]
-        logprobs_MC = token_logprobs(
-            logits_MCV,
-            completion_ids_MC,
-            temperature=self.config.temperature,
-            chunk_size=self.config.logprob_chunk_size,
-        )
-        return logprobs_MC, length
+        return logits_MCV
 
     @torch.no_grad()
     def compute_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
@@ -256,7 +340,11 @@ class PolicyTrainer:
             rows = slice(first, first + self.config.micro_batch_size)
             mask_MC = batch.completion_mask_BC[rows].to(device)
             logprobs_MC, length = self._completion_logprobs(
-                batch.prompt_ids_BP[rows], batch.prompt_mask_BP[rows], batch.completion_ids_BC[rows], mask_MC
+                batch.prompt_ids_BP[rows],
+                batch.prompt_mask_BP[rows],
+                batch.completion_ids_BC[rows],
+                mask_MC,
+                group_size=batch.group_size,
             )
             out_BC[rows, :length] = logprobs_MC.masked_fill(mask_MC[:, :length] == 0, 0.0).float().cpu()
         return out_BC
