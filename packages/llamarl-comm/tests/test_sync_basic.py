@@ -206,3 +206,30 @@ def test_silent_sender_is_a_clear_error() -> None:
         result
     )
     assert result["seconds"] < 4.0 + 2.0, result
+
+
+def _wire_worker(rank: int, world_size: int, rdv, wire: str):
+    group = _group(rank, world_size, rdv)
+    torch.manual_seed(0)
+    named = {"w": torch.randn(300, 256), "norm": torch.randn(256)}  # w: a direct bucket if raw
+    if rank == 0:
+        WeightSender(group, named, wire_dtype=getattr(torch, wire), bucket_bytes=32 << 10).send(2)
+        return named
+    served = {
+        "w": torch.zeros(300, 256, dtype=torch.bfloat16),
+        "norm": torch.zeros(256, dtype=torch.bfloat16),
+    }
+    receiver = WeightReceiver(group, served)
+    assert receiver.receive() == 2
+    return served
+
+
+@pytest.mark.parametrize("wire", ["bfloat16", "float8_e4m3fn"])
+def test_lower_precision_on_the_wire_end_to_end(wire: str) -> None:
+    sent, served = run_distributed(_wire_worker, 2, wire, timeout_s=60)
+    assert torch.equal(served["norm"], sent["norm"].to(torch.bfloat16))  # 1-d tensors: bf16 either way
+    if wire == "bfloat16":
+        assert torch.equal(served["w"], sent["w"].to(torch.bfloat16))
+    else:
+        row_max = sent["w"].abs().amax(dim=1, keepdim=True)
+        assert ((served["w"].float() - sent["w"]).abs() / row_max).max() <= 2**-4 + 2**-8
