@@ -14,7 +14,8 @@ tensor-parallel engine with fused qkv / gate_up), all in bf16, it measures:
 GB/s is the model's size (bytes of every full parameter) over the time. Usage:
 
     uv run --frozen python tools/bench_weight_sync.py [--models smollm2-135m,synthetic-1b]
-        [--layouts 1-1,1-2,2-2] [--repeats 2] [--bucket-mb 64] [--no-checksum]
+        [--layouts 1-1,1-2,2-2] [--repeats 2] [--bucket-mb 64] [--no-checksum | --checksum-stride N]
+        [--direct-min-mb 0.25]
 """
 
 from __future__ import annotations
@@ -139,7 +140,8 @@ def _worker(
     layout_kind: str,
     repeats: int,
     bucket_bytes: int,
-    checksum: bool,
+    checksum: int,
+    direct_min_bytes: int,
 ):
     torch.manual_seed(rank)
     shapes, cfg = model_shapes(model)
@@ -177,7 +179,14 @@ def _worker(
                 )
                 for name, shape in shapes.items()
             }
-        endpoint = WeightSender(group, tensors, bucket_bytes=bucket_bytes, checksum=checksum)
+        endpoint = WeightSender(
+            group,
+            tensors,
+            bucket_bytes=bucket_bytes,
+            checksum=checksum > 0,
+            checksum_stride=checksum,
+            direct_min_bytes=direct_min_bytes,
+        )
     else:
         if num_src == 1:
             dest_layout = replicated({n: (s, DTYPE) for n, s in shapes.items()})
@@ -272,6 +281,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--bucket-mb", type=float, default=64)
     parser.add_argument("--no-checksum", action="store_true")
+    parser.add_argument("--checksum-stride", type=int, default=1, help="checksum every n-th int64 word")
+    parser.add_argument("--direct-min-mb", type=float, default=0.25, help="zero-copy slices from this size")
     args = parser.parse_args()
     rows = []
     header = (
@@ -289,7 +300,8 @@ def main() -> None:
                 layout,
                 args.repeats,
                 int(args.bucket_mb * (1 << 20)),
-                not args.no_checksum,
+                0 if args.no_checksum else args.checksum_stride,
+                int(args.direct_min_mb * (1 << 20)),
                 timeout_s=1800,
             )
             # A phase lasts until its slowest rank is done: max over ranks, best over repeats.
@@ -305,10 +317,8 @@ def main() -> None:
             )
             rows.append(row)
             print(row, flush=True)
-    print(
-        f"\nbucket {args.bucket_mb} MB, checksums {'off' if args.no_checksum else 'on'}, bf16, "
-        "gloo over loopback"
-    )
+    checksums = "off" if args.no_checksum else f"on (every {args.checksum_stride}. int64 word)"
+    print(f"\nbucket {args.bucket_mb} MB, checksums {checksums}, bf16, gloo over loopback")
 
 
 if __name__ == "__main__":

@@ -124,7 +124,7 @@ def _simulate(plan, src_locals, dst_layouts) -> dict[int, dict[str, torch.Tensor
             pack_bucket(buf, bucket, src_locals[stream.src])
             n = bucket.payload_bytes
             stamp = {"stream_id": stream.stream_id, "bucket_index": bucket.index, "sync_index": 1}
-            write_trailer(buf[n:], buf[:n], policy_version=5, checksum=True, **stamp)
+            write_trailer(buf[n:], buf[:n], policy_version=5, checksum=1, **stamp)
             assert read_trailer(buf[n:])[1:] == (5, 1, stream.stream_id, bucket.index)
             for rank in stream.chain:
                 unpack_bucket(buf, bucket, out[rank])
@@ -254,3 +254,17 @@ def test_precision_on_the_wire_error_is_bounded(wire: str) -> None:
     else:
         assert wire_bytes < fp32_bytes // 2  # 1 byte per weight + a float32 per row (1-d norms as bf16)
         assert worst <= 2**-4 + 2**-8  # e4m3: 3 mantissa bits, then the bf16 destination rounds
+
+
+def test_checksum_catches_flipped_stale_and_shifted_bytes() -> None:
+    from llamarl.comm.buckets import bucket_checksum
+
+    payload = torch.randint(0, 256, (4096 + 5,), dtype=torch.uint8)
+    full = bucket_checksum(payload)
+    flipped = payload.clone()
+    flipped[1234] ^= 1
+    assert bucket_checksum(flipped) != full  # full: any single changed byte
+    shifted = torch.cat([payload[8:], payload[:8]])
+    assert bucket_checksum(shifted[:-5], 64) != bucket_checksum(payload[:-5], 64)  # spot check: shifted
+    assert bucket_checksum(torch.zeros_like(payload), 64) != bucket_checksum(payload, 64)  # stale / zeroed
+    assert bucket_checksum(payload[:4096], 64) != bucket_checksum(payload[:4088], 64)  # truncated

@@ -101,16 +101,22 @@ class _Endpoint:
         sources, dests = self._read_layouts()
         first = sources[min(sources)] if sources else None
         if first is not None and any(
-            (s.bucket_bytes, s.checksum) != (first.bucket_bytes, first.checksum) for s in sources.values()
+            (s.bucket_bytes, s.checksum, s.direct_min_bytes)
+            != (first.bucket_bytes, first.checksum, first.direct_min_bytes)
+            for s in sources.values()
         ):
-            raise WeightSyncError("source ranks disagree on bucket_bytes or checksum")
+            raise WeightSyncError("source ranks disagree on bucket_bytes, checksum or direct_min_bytes")
         try:
             self.plan = make_plan(
-                sources, dests, bucket_bytes=first.bucket_bytes if first else 64 << 20, strict=self.strict
+                sources,
+                dests,
+                bucket_bytes=first.bucket_bytes if first else 64 << 20,
+                strict=self.strict,
+                direct_min_bytes=first.direct_min_bytes if first else 256 << 10,
             )
         except ValueError as exc:
             raise WeightSyncError(f"rank {self.rank}: weight layouts do not match: {exc}") from exc
-        self.checksum = bool(first.checksum) if first else True
+        self.checksum = int(first.checksum) if first else 1
         self._buffers.clear()
         return self.plan
 
@@ -314,7 +320,7 @@ class _Endpoint:
                 bucket=bucket.index,
             )
         if self.checksum:
-            want = bucket_checksum(payload)
+            want = bucket_checksum(payload, self.checksum)
             if want != got_sum:
                 raise WeightSyncError(
                     f"rank {self.rank}: checksum mismatch in {where}: computed {want}, sent {got_sum}",

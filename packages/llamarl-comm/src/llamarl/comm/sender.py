@@ -26,8 +26,10 @@ class WeightSender:
     computes the transfer plan and forms the group: construct the senders and receivers of a group at
     about the same time. ``bucket_bytes`` is the payload size of one bucket; ``wire_dtype`` (None,
     ``torch.bfloat16`` or ``torch.float8_e4m3fn``) changes precision on the wire; ``checksum`` makes every
-    bucket carry a checksum the receivers verify; ``strict`` fails construction when a parameter is not
-    wanted by any destination (a name mismatch).
+    bucket carry a checksum the receivers verify (over every int64 word, or every
+    ``checksum_stride``-th one as a cheaper spot check); ``strict`` fails construction when a parameter is not
+    wanted by any destination (a name mismatch); slices of at least ``direct_min_bytes`` that are
+    contiguous on both sides go zero-copy (sent from and received into the tensors themselves).
     """
 
     def __init__(
@@ -38,13 +40,16 @@ class WeightSender:
         bucket_bytes: int = 64 << 20,
         wire_dtype: torch.dtype | None = None,
         checksum: bool = True,
+        checksum_stride: int = 1,
         strict: bool = True,
+        direct_min_bytes: int = 256 << 10,
     ) -> None:
         self.group = group
         self._named = named_tensors_of(named_tensors_or_module)
         layout, _ = source_layout(self._named, wire_dtype=wire_dtype)
         layout.bucket_bytes = bucket_bytes
-        layout.checksum = checksum
+        layout.checksum = max(1, checksum_stride) if checksum else 0
+        layout.direct_min_bytes = direct_min_bytes
         self.wire_dtype = dtype_to_str(wire_dtype) if wire_dtype is not None else None
         self._endpoint = _Endpoint(group, layout, strict=strict)
         self._endpoint._replan()
