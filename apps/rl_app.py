@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -171,6 +172,7 @@ def resolve_model(model: str | None, device: str) -> str:
 
 def main(task: str, argv: list[str] | None = None) -> int:
     prog = f"{task}_rl"
+    logging.basicConfig(level=logging.WARNING, format=f"{prog}: warning: %(message)s")
     try:
         args = build_parser(task).parse_args(argv)
         model = resolve_model(args.model, args.device)

@@ -38,7 +38,7 @@ def test_math_falls_back_to_last_boxed_of_solution(tmp_path):
     [
         ("{not json", "train.jsonl:2: not valid JSON"),
         ('{"answer": "#### 3"}', "train.jsonl:2: missing or empty field 'question'"),
-        ('{"question": "q", "answer": "no final marker"}', "train.jsonl:2: no reference answer"),
+        ('{"question": "q", "solution": "x"}', "train.jsonl:2: no reference answer"),
         ("[1, 2]", "train.jsonl:2: expected a JSON object"),
     ],
 )
@@ -52,3 +52,30 @@ def test_malformed_rows_name_file_line_and_problem(tmp_path, line, message):
 def test_missing_file_says_what_is_expected(tmp_path):
     with pytest.raises(DataError, match=r"train\.jsonl and test\.jsonl"):
         load_examples(GSM8K, str(tmp_path), "train")
+
+
+def test_rows_without_a_usable_answer_are_skipped_with_a_warning(tmp_path, caplog):
+    rows = [
+        {"question": "q1", "answer": "x #### 1"},
+        {"question": "q2", "answer": "no final marker"},
+        {"question": "q3", "answer": ""},
+    ]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with caplog.at_level("WARNING"):
+        examples = load_examples(GSM8K, str(tmp_path), "train")
+    assert [e.question for e in examples] == ["q1"]
+    assert "skipped 2 row(s)" in caplog.text and "train.jsonl:2" in caplog.text
+
+
+def test_a_file_of_only_unusable_rows_is_an_error(tmp_path):
+    (tmp_path / "train.jsonl").write_text(
+        json.dumps({"problem": "p", "answer": "", "solution": "\\boxed{}"}) + "\n"
+    )
+    with pytest.raises(DataError, match="no rows with a usable reference answer"):
+        load_examples(MATH, str(tmp_path), "train")
+
+
+def test_shared_math_copy_loads_despite_its_empty_answer_rows(caplog):
+    with caplog.at_level("WARNING"):
+        assert len(load_examples(MATH, str(SHARED_DATA / "math"), "train")) == 7496
+    assert "skipped 2 row(s)" in caplog.text

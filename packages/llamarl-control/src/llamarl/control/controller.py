@@ -323,6 +323,9 @@ class Controller:
     def _maybe_fail(self, tick: int) -> None:
         if self._fault is None or self._fault[:2] != (self.rank, tick):
             return
+        # Tests measure how long the run takes to end after the fault, so record when it struck.
+        marker = {"rank": self.rank, "tick": tick, "time": time.time()}
+        (self.output_dir / "errors" / "injected_fault.json").write_text(json.dumps(marker))
         if self._fault[2]:
             os.kill(os.getpid(), signal.SIGKILL)
         raise RuntimeError(f"injected failure on rank {self.rank} at tick {tick} ({FAULT_ENV})")

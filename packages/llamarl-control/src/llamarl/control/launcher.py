@@ -64,6 +64,7 @@ def launch(config: RunConfig, train_examples: list[Example], eval_examples: list
     )
     # torch elastic logs every child failure at ERROR with its traceback; we show it once ourselves.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    logging.getLogger("torch.multiprocessing").setLevel(logging.ERROR)  # "Terminating process ..." notes
     start = time.perf_counter()
     try:
         results = elastic_launch(launch_config, _rank_main)(

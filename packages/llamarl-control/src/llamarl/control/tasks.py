@@ -8,10 +8,14 @@ validated when loaded, so a malformed file fails before any process is started.
 from __future__ import annotations
 
 import json
+import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from llamarl.exec.rewards import last_boxed
+
+logger = logging.getLogger(__name__)
 
 
 class DataError(ValueError):
@@ -37,24 +41,32 @@ class Task:
     reference_fields: tuple[str, ...]  # fields tried in order for the reference answer
     instruction: str  # appended to each question: tells the model how to format its final answer
 
-    def example_from_row(self, row: dict, *, where: str) -> Example:
-        """Validates one dataset row and returns it as an Example; `where` names the row in errors."""
+    def example_from_row(self, row: dict, *, where: str) -> Example | None:
+        """Validates one dataset row and returns it as an Example; `where` names the row in errors.
+
+        A row outside the schema (not an object, no question, none of the reference fields) raises
+        DataError. A row in the schema whose reference holds no usable answer (an empty `answer`, an
+        empty `\\boxed{}`, a GSM8K answer without `####`: real datasets have a few) returns None, and
+        the loader skips it.
+        """
         if not isinstance(row, dict):
             raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
         question = row.get(self.question_field)
         if not isinstance(question, str) or not question.strip():
             raise DataError(f"{where}: missing or empty field '{self.question_field}'")
-        for field in self.reference_fields:
-            value = row.get(field)
-            if isinstance(value, str) and value.strip():
-                reference = self._reference_from(field, value)
-                if reference:
-                    return Example(question=question.strip(), reference=reference)
-        raise DataError(
-            f"{where}: no reference answer (expected one of the fields {', '.join(self.reference_fields)})"
-        )
+        present = [field for field in self.reference_fields if isinstance(row.get(field), str)]
+        if not present:
+            expected = ", ".join(self.reference_fields)
+            raise DataError(f"{where}: no reference answer (expected one of the fields {expected})")
+        for field in present:
+            reference = self._reference_from(field, row[field])
+            if reference:
+                return Example(question=question.strip(), reference=reference)
+        return None
 
     def _reference_from(self, field: str, value: str) -> str | None:
+        if not value.strip():
+            return None
         if field == "solution":  # MATH rows without an `answer` column: the last \boxed{} of the solution
             return last_boxed(value)
         if self.name == "gsm8k" and "####" not in value:
@@ -103,7 +115,7 @@ def load_examples(task: Task, data: str | None, split: str) -> list[Example]:
 def _load_jsonl(task: Task, path: Path) -> list[Example]:
     if not path.is_file():
         raise DataError(f"{path}: file not found (--data must be a folder with train.jsonl and test.jsonl)")
-    examples = []
+    rows = []
     with path.open(encoding="utf-8") as f:
         for line_number, line in enumerate(f, start=1):
             if not line.strip():
@@ -113,9 +125,24 @@ def _load_jsonl(task: Task, path: Path) -> list[Example]:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(f"{where}: not valid JSON ({e.msg})") from None
-            examples.append(task.example_from_row(row, where=where))
+            rows.append((row, where))
+    return _examples(task, rows, str(path))
+
+
+def _examples(task: Task, rows: Iterable[tuple[dict, str]], source: str) -> list[Example]:
+    """Validated examples of `rows`; rows without a usable answer are skipped with one warning."""
+    examples, skipped = [], []
+    for row, where in rows:
+        example = task.example_from_row(row, where=where)
+        if example is None:
+            skipped.append(where)
+        else:
+            examples.append(example)
     if not examples:
-        raise DataError(f"{path}: no rows")
+        raise DataError(f"{source}: no rows with a usable reference answer")
+    if skipped:
+        shown = ", ".join(skipped[:3]) + (", ..." if len(skipped) > 3 else "")
+        logger.warning("skipped %d row(s) without a usable reference answer: %s", len(skipped), shown)
     return examples
 
 
