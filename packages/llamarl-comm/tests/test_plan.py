@@ -268,3 +268,6 @@ def test_checksum_catches_flipped_stale_and_shifted_bytes() -> None:
     assert bucket_checksum(shifted[:-5], 64) != bucket_checksum(payload[:-5], 64)  # spot check: shifted
     assert bucket_checksum(torch.zeros_like(payload), 64) != bucket_checksum(payload, 64)  # stale / zeroed
     assert bucket_checksum(payload[:4096], 64) != bucket_checksum(payload[:4088], 64)  # truncated
+    # Sums wrap like int64 (they must fit the trailer's int64 word), in every mode.
+    big = torch.tensor([2**62, 2**62, 2**62], dtype=torch.int64).view(torch.uint8)
+    assert -(2**63) <= bucket_checksum(big, 2) < 2**63 and -(2**63) <= bucket_checksum(big) < 2**63

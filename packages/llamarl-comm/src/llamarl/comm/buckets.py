@@ -54,7 +54,7 @@ def bucket_checksum(payload_u8: torch.Tensor, stride: int = 1) -> int:
         total = int(words.sum()) if stride <= 1 else int(words[::stride].sum()) + int(words[-1])
     if whole != n:
         total += int(payload_u8[whole:].sum(dtype=torch.int64))
-    return total
+    return (total + 2**63) % 2**64 - 2**63  # wrap like the int64 sum, so it fits the trailer
 
 
 def box_bytes(tensor: torch.Tensor, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor | None:
