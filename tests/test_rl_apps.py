@@ -72,14 +72,17 @@ def test_gsm8k_app_trains_in_both_modes(tiny_model_dir, gsm8k_dir, tmp_path, mod
 
 
 @pytest.mark.timeout(600)
-def test_math_app_runs_with_two_generators(tiny_model_dir, math_dir, tmp_path):
+def test_math_app_runs_with_two_generators_and_a_loss_picked_by_name(tiny_model_dir, math_dir, tmp_path):
     out = tmp_path / "math"
     result = run_app(
-        "math_rl", *common_args(tiny_model_dir, math_dir, out), "--num-generators", "2", "--no-wandb"
-    )
+        "math_rl", *common_args(tiny_model_dir, math_dir, out), "--num-generators", "2", "--no-wandb",
+        "--loss", "dapo", "--advantage", "rloo", "--loss-arg", "clip_high=0.3",
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["num_generators"] == 2 and summary["final_policy_version"] == 3
+    first_step = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    assert "train/clipped_fraction" in first_step  # DAPO's metric: the loss picked by name was used
     assert {p.name for p in out.glob("samples.rank*.jsonl")} == {"samples.rank1.jsonl", "samples.rank2.jsonl"}
 
 
