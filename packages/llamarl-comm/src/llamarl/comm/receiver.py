@@ -8,6 +8,7 @@ import torch
 
 from llamarl.comm._session import SyncStats, _Endpoint
 from llamarl.comm.layouts import DestLayout, dtype_from_str, named_tensors_of, replicated
+from llamarl.comm.plan import TransferPlan
 from llamarl.comm.transport import WeightSyncError, WeightSyncGroup
 
 __all__ = ["LoadFn", "WeightReceiver"]
@@ -87,7 +88,7 @@ class WeightReceiver:
         self.last_stats: SyncStats | None = None
 
     @property
-    def plan(self):
+    def plan(self) -> TransferPlan | None:
         """The transfer plan of the current group generation."""
         return self._endpoint.plan
 

@@ -8,6 +8,7 @@ import torch
 
 from llamarl.comm._session import SyncStats, _Endpoint
 from llamarl.comm.layouts import dtype_to_str, named_tensors_of, source_layout
+from llamarl.comm.plan import TransferPlan
 from llamarl.comm.transport import WeightSyncGroup
 
 __all__ = ["SyncStats", "WeightSender"]
@@ -57,7 +58,7 @@ class WeightSender:
         self.policy_version: int | None = None  # the last version sent successfully
 
     @property
-    def plan(self):
+    def plan(self) -> TransferPlan | None:
         """The transfer plan of the current group generation."""
         return self._endpoint.plan
 
