@@ -29,9 +29,9 @@ from llamarl.algo import get_advantage_estimator, get_policy_loss, token_logprob
 from llamarl.exec.models import load_model_and_tokenizer
 from llamarl.exec.types import RolloutBatch
 
-# Loss metrics that are maxima over the batch; every other metric is averaged over micro-batches
-# weighted by their valid tokens.
-_MAX_METRICS = ("ratio_max",)
+# Loss metrics named `*_max` are maxima over the batch (llamarl.algo's convention); every other metric
+# is averaged over micro-batches weighted by their valid tokens.
+_MAX_SUFFIX = "_max"
 
 
 @dataclass(kw_only=True)
@@ -186,7 +186,7 @@ class PolicyTrainer:
             logprob_sum += float(logprobs_MC.detach().masked_fill(mask_MC == 0, 0.0).sum())
             for name, value in loss_metrics.items():
                 value = float(value)
-                if name in _MAX_METRICS:
+                if name.endswith(_MAX_SUFFIX):
                     maxima[name] = max(maxima.get(name, -math.inf), value)
                 elif micro_tokens > 0:  # local means: weight by the tokens they averaged over
                     weighted[name] = weighted.get(name, 0.0) + value * micro_tokens
