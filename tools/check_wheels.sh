@@ -14,6 +14,11 @@ for pkg in comm algo exec control; do
   # --find-links serves the sibling llamarl wheels a package depends on; everything else comes from
   # the package index, so a dependency missing from a pyproject fails the import below.
   uv pip install --quiet -p "$venv" --find-links "$out/wheels" "$out"/wheels/llamarl_${pkg}-*.whl
-  "$venv/bin/python" -W ignore -c "import llamarl.$pkg as m; print('llamarl.$pkg imports from', m.__file__)"
+  # Every module, not just the package: the packages' __init__ files load their names lazily.
+  "$venv/bin/python" -W ignore -c "
+import importlib, pkgutil, llamarl.$pkg as m
+names = [i.name for i in pkgutil.walk_packages(m.__path__, 'llamarl.$pkg.')]
+for name in names: importlib.import_module(name)
+print('llamarl.$pkg: %d modules import from' % (len(names) + 1), m.__path__[0])"
   echo "  llamarl-$pkg installs: $(uv pip list -p "$venv" 2>/dev/null | awk 'NR>2 {print $1}' | grep -v -e '^nvidia' -e '^cuda' | tr '\n' ' ')"
 done
