@@ -15,7 +15,6 @@ import os
 import random
 import resource
 import signal
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from llamarl.control.channels import concat_rollouts, recv_rollouts, send_rollou
 from llamarl.control.config import RunConfig
 from llamarl.control.executors import build_generator, build_rewarder, build_trainer, load_tokenizer
 from llamarl.control.metrics import MetricsLogger
+from llamarl.control.net import free_port
 from llamarl.control.tasks import TASKS, Example
 from llamarl.exec.types import RolloutBatch
 
@@ -86,7 +86,7 @@ class Controller:
             weights = self.generator.model
         # The weight-sync group has its own store on a port chosen by the trainer: it never depends on
         # the default process group, which here only carries rollouts and small control messages.
-        port = torch.tensor([_free_port() if self.is_trainer else 0], dtype=torch.int64)
+        port = torch.tensor([free_port() if self.is_trainer else 0], dtype=torch.int64)
         dist.broadcast(port, TRAINER_RANK)
         self.weight_group = WeightSyncGroup(
             host=os.environ.get("MASTER_ADDR", "127.0.0.1"),
@@ -402,12 +402,6 @@ def _device(name: str) -> torch.device:
     if name == "cuda":
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
     return torch.device("cpu")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def _parse_fault(spec: str | None) -> tuple[int, int, bool] | None:

@@ -27,6 +27,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from llamarl.control.config import RunConfig
 from llamarl.control.controller import Controller
+from llamarl.control.net import free_port
 from llamarl.control.tasks import Example
 
 ERRORS_DIR = "errors"
@@ -48,7 +49,7 @@ def launch(config: RunConfig, train_examples: list[Example], eval_examples: list
     errors_dir = output_dir / ERRORS_DIR
     shutil.rmtree(errors_dir, ignore_errors=True)
     errors_dir.mkdir()
-    endpoint = config.rdzv_endpoint or f"127.0.0.1:{_free_port()}"
+    endpoint = config.rdzv_endpoint or f"127.0.0.1:{free_port('127.0.0.1')}"
     launch_config = LaunchConfig(
         min_nodes=config.nnodes,
         max_nodes=config.nnodes,
@@ -151,11 +152,3 @@ def _first_failure(errors_dir: Path, error: ChildFailedError) -> RunFailed:
         return RunFailed(f"rank {first['rank']} failed:\n{first['traceback'].rstrip()}", rank=first["rank"])
     rank, failure = error.get_first_failure()
     return RunFailed(f"rank {rank} exited with code {failure.exitcode}", rank=rank)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
