@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -36,7 +35,7 @@ from llamarl.comm.adapters.vllm import (
     WeightSyncWorkerExtension,
     checkpoint_tensor_specs,
 )
-from llamarl.comm.testing import run_distributed
+from llamarl.comm.testing import free_port, run_distributed
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).resolve().parent / "vllm_scripts"
@@ -69,12 +68,6 @@ def vllm_python() -> str:
     if probe.returncode != 0:
         pytest.skip(f"{default} has no vllm installed (rerun tools/setup_vllm_env.sh)")
     return str(default)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def child_env() -> dict[str, str]:

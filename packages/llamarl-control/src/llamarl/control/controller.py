@@ -16,6 +16,7 @@ import random
 import resource
 import signal
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -412,6 +413,4 @@ def _parse_fault(spec: str | None) -> tuple[int, int, bool] | None:
 
 
 def _plain(config: RunConfig) -> dict[str, Any]:
-    from dataclasses import asdict
-
     return asdict(config)

@@ -149,7 +149,6 @@ class PolicyTrainer:
         """
         if self.model is None:
             raise RuntimeError("PolicyTrainer.accumulate_gradients called before setup()")
-        cfg = self.config
         device = next(self.model.parameters()).device
         advantages_B = self.advantage_fn(batch.rewards_B.float(), batch.group_size)
         num_valid_tokens, num_sequences = self._global_counts(
@@ -161,18 +160,9 @@ class PolicyTrainer:
         logprob_sum = 0.0
         weighted: dict[str, float] = {}
         maxima: dict[str, float] = {}
-        for first in range(0, batch.num_sequences, cfg.micro_batch_size):
-            rows = slice(first, first + cfg.micro_batch_size)
-            mask_MC = batch.completion_mask_BC[rows].to(device)
+        for rows, logprobs_MC, mask_MC in self._micro_batches(batch, device):
             micro_tokens = int(mask_MC.sum())
-            logprobs_MC, length = self._completion_logprobs(
-                batch.prompt_ids_BP[rows],
-                batch.prompt_mask_BP[rows],
-                batch.completion_ids_BC[rows],
-                mask_MC,
-                group_size=batch.group_size,
-            )
-            mask_MC = mask_MC[:, :length]
+            length = mask_MC.shape[1]
             loss, loss_metrics = self.loss_fn(
                 logprobs_MC,
                 batch.behavior_logprobs_BC[rows, :length].to(device),
@@ -336,6 +326,12 @@ class PolicyTrainer:
             raise RuntimeError("PolicyTrainer.compute_logprobs called before setup()")
         device = next(self.model.parameters()).device
         out_BC = torch.zeros(batch.completion_ids_BC.shape, dtype=torch.float32)
+        for rows, logprobs_MC, mask_MC in self._micro_batches(batch, device):
+            out_BC[rows, : mask_MC.shape[1]] = logprobs_MC.masked_fill(mask_MC == 0, 0.0).float().cpu()
+        return out_BC
+
+    def _micro_batches(self, batch: RolloutBatch, device: torch.device):
+        """Yields (rows, logprobs_MC', mask_MC') per micro-batch, cut to its longest completion C'."""
         for first in range(0, batch.num_sequences, self.config.micro_batch_size):
             rows = slice(first, first + self.config.micro_batch_size)
             mask_MC = batch.completion_mask_BC[rows].to(device)
@@ -346,5 +342,4 @@ class PolicyTrainer:
                 mask_MC,
                 group_size=batch.group_size,
             )
-            out_BC[rows, :length] = logprobs_MC.masked_fill(mask_MC[:, :length] == 0, 0.0).float().cpu()
-        return out_BC
+            yield rows, logprobs_MC, mask_MC[:, :length]
