@@ -31,6 +31,7 @@ from llamarl.control.net import free_port
 from llamarl.control.tasks import Example
 
 ERRORS_DIR = "errors"
+EXIT_GRACE_S = 2.0  # how long a failed rank waits before exiting, see _rank_main
 
 
 class RunFailed(RuntimeError):
@@ -112,6 +113,10 @@ def _rank_main(
             # Free worker processes and sockets; the process exits right after either way.
             with contextlib.suppress(Exception):
                 controller.close()
+        # Torch elastic reports only the first exit it sees. A rank failing because a peer was killed
+        # (closed connection) must not exit before the launcher has seen that peer's death, or the
+        # run would be blamed on the wrong rank; a short grace period orders the two exits.
+        time.sleep(max(0.0, record["time"] + EXIT_GRACE_S - time.time()))
         os._exit(1)  # no traceback on stderr: the launcher prints the first failure once
 
 
