@@ -49,6 +49,9 @@ def _worker(rank: int, world_size: int, rdv):
             out["error"] = None
         except WeightSyncError as exc:
             out["error"] = {"peer": exc.peer, "message": str(exc), "seconds": time.monotonic() - start}
+        # Only now does the engine restart: had it asked to rejoin before sync 2 was announced, sync 2
+        # would have gone to the new process (also correct, but not the failure this test wants).
+        open(os.path.join(rdv.tmpdir, "sync2_over"), "w").close()
         for t in weights.values():
             t.mul_(3.0)
         sender.send(3)  # re-forms the group with the restarted engine, then sends the latest weights
@@ -67,6 +70,8 @@ def _worker(rank: int, world_size: int, rdv):
         lives.append(torch.load(path))
         if life == 0:
             open(os.path.join(rdv.tmpdir, "first_life_over"), "w").close()
+            while not os.path.exists(os.path.join(rdv.tmpdir, "sync2_over")):
+                time.sleep(0.05)
     return lives
 
 
