@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Mapping
 
 import torch
@@ -12,6 +13,8 @@ from llamarl.comm.plan import TransferPlan
 from llamarl.comm.transport import WeightSyncError, WeightSyncGroup
 
 __all__ = ["LoadFn", "WeightReceiver"]
+
+logger = logging.getLogger(__name__)
 
 # An engine's own weight loader: takes (name, tensor) pairs, e.g. vLLM's
 # ``model_runner.reload_weights(weights_iterator=..., is_checkpoint_format=True)``.
@@ -113,7 +116,12 @@ class WeightReceiver:
             self.load_fn(iter(self._dst.items()))
         self.policy_version = stats.policy_version
         self.last_stats = stats
-        self.group.put(f"held/{self.group.rank}", stats.policy_version)
+        try:
+            self.group.put(f"held/{self.group.rank}", stats.policy_version)
+        except Exception as exc:  # the weights arrived; a trainer that already left hosts no store
+            logger.warning(
+                "rank %d: could not report held version %d: %s", self.group.rank, stats.policy_version, exc
+            )
         return stats.policy_version
 
     def close(self) -> None:
