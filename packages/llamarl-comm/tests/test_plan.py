@@ -141,11 +141,11 @@ def test_fsdp_shards_to_tp_fused_bitwise(num_src: int, bucket_bytes: int, direct
     dests = {num_src + r: _tp_dest(r, tp_size) for r in range(tp_size)}
     plan = make_plan(sources, dests, bucket_bytes=bucket_bytes, direct_min_bytes=direct_min_bytes)
     num_direct = sum(b.direct for s in plan.streams for b in s.buckets)
-    # Row slices (qkv, gate_up, norm) go zero-copy when allowed; column slices (down) never can.
+    # When allowed, every slice lands in place (each is contiguous in the engine's tensor); row slices
+    # (qkv, gate_up, norm) are also sent from the shard's memory, column slices (down) are packed first.
     assert (num_direct > 0) == (direct_min_bytes == 0)
-    assert not any(
-        b.direct and b.entries[0].src_name == "down.weight" for s in plan.streams for b in s.buckets
-    )
+    for b in (b for s in plan.streams for b in s.buckets if b.direct):
+        assert b.src_copy == (b.entries[0].src_name == "down.weight"), b
     got = _simulate(plan, src_locals, dests)
     for r in range(tp_size):
         for name, want in _expected_tp(full, r, tp_size).items():
@@ -271,3 +271,18 @@ def test_checksum_catches_flipped_stale_and_shifted_bytes() -> None:
     # Sums wrap like int64 (they must fit the trailer's int64 word), in every mode.
     big = torch.tensor([2**62, 2**62, 2**62], dtype=torch.int64).view(torch.uint8)
     assert -(2**63) <= bucket_checksum(big, 2) < 2**63 and -(2**63) <= bucket_checksum(big) < 2**63
+
+
+def test_spot_checksum_rotates_over_every_word_and_ignores_alignment() -> None:
+    from llamarl.comm.buckets import bucket_checksum
+
+    payload = torch.randint(0, 256, (8 * 64 + 3,), dtype=torch.uint8)
+    flipped = payload.clone()
+    flipped[8 * 37 + 2] ^= 4  # in word 37: missed by most phases of a stride-8 spot check
+    caught = [bucket_checksum(flipped, 8, phase) != bucket_checksum(payload, 8, phase) for phase in range(8)]
+    assert caught == [phase == 37 % 8 for phase in range(8)]  # so 8 syncs check every word once
+    # A box received at an odd address (a slice of a tensor) sums like the same bytes sent aligned.
+    carrier = torch.zeros(payload.numel() + 3, dtype=torch.uint8)
+    carrier[3:] = payload
+    for stride in (1, 8):
+        assert bucket_checksum(carrier[3:], stride, 5) == bucket_checksum(payload, stride, 5)

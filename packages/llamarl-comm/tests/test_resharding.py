@@ -78,7 +78,7 @@ def expected_shards(full: dict[str, torch.Tensor], tp_rank: int) -> dict[str, to
     }
 
 
-def _worker(rank: int, world_size: int, rdv, source_kind: str):
+def _worker(rank: int, world_size: int, rdv, source_kind: str, direct_min_bytes: int):
     num_src = 2
     group = WeightSyncGroup(host=rdv.host, port=rdv.port, rank=rank, world_size=world_size, timeout_s=60)
     if rank < num_src:
@@ -96,7 +96,9 @@ def _worker(rank: int, world_size: int, rdv, source_kind: str):
             )
             fully_shard(model, mesh=init_device_mesh("cpu", (num_src,)))
             assert all(isinstance(p, DTensor) for p in model.parameters())
-        sender = WeightSender(group, model, bucket_bytes=160)  # several buckets per stream
+        # Several buckets per stream; with direct_min_bytes=0 every slice lands in place (row slices sent
+        # from the shard's memory, column slices packed first), with >=2 buckets to a staging slot.
+        sender = WeightSender(group, model, bucket_bytes=160, direct_min_bytes=direct_min_bytes)
         fulls = []
         for version in (1, 2):
             sender.send(version)
@@ -109,7 +111,8 @@ def _worker(rank: int, world_size: int, rdv, source_kind: str):
                     (p.to_local() if hasattr(p, "to_local") else p).mul_(-0.5).add_(0.25)
         group.get("test/done/2", timeout_s=60)
         group.get("test/done/3", timeout_s=60)
-        return {"fulls": fulls, "sent": sender.plan.bytes_sent_by()[rank]}
+        kinds = {(b.direct, b.src_copy) for st in sender.plan.streams for b in st.buckets}
+        return {"fulls": fulls, "sent": sender.plan.bytes_sent_by()[rank], "kinds": kinds}
     tp_rank = rank - num_src
     layout = engine_layout(tp_rank)
     tensors = {name: torch.zeros(t.shape) for name, t in layout.tensors.items()}
@@ -122,9 +125,12 @@ def _worker(rank: int, world_size: int, rdv, source_kind: str):
     return got
 
 
+@pytest.mark.parametrize("direct_min_bytes", [0, 256 << 10])
 @pytest.mark.parametrize("source_kind", ["fsdp2", "replicated"])
-def test_trainer_to_tp_engine_with_fused_qkv_bitwise(source_kind: str) -> None:
-    results = run_distributed(_worker, 4, source_kind, timeout_s=150)
+def test_trainer_to_tp_engine_with_fused_qkv_bitwise(source_kind: str, direct_min_bytes: int) -> None:
+    results = run_distributed(_worker, 4, source_kind, direct_min_bytes, timeout_s=150)
+    kinds = results[0]["kinds"]
+    assert kinds == ({(True, False), (True, True)} if direct_min_bytes == 0 else {(False, False)}), kinds
     fulls = results[0]["fulls"]
     for version_i in range(2):
         for tp_rank in range(TP):

@@ -39,10 +39,8 @@ from llamarl.comm.layouts import DestLayout, SourceLayout, dtype_from_str
 from llamarl.comm.plan import Bucket, Stream, TransferPlan, make_plan
 from llamarl.comm.transport import WeightSyncError, WeightSyncGroup
 
-# Buffers per stream on each rank: one being packed/unpacked while the other is on the wire.
+# Staging buffers per stream on each rank: one being packed/unpacked while the other is on the wire.
 NUM_SLOTS = 2
-# Direct (zero-copy) receives a destination keeps posted ahead of the one it is verifying.
-DIRECT_WINDOW = 16
 
 
 @dataclass(kw_only=True)
@@ -56,12 +54,21 @@ class SyncStats:
     generation: int  # group generation the sync ran on
 
 
-TRAILER_TAG = 0x8000  # tag bit of a direct bucket's trailer message
+MANIFEST_TAG = 0x8000  # tag bit of a stream's manifest: the trailers of its direct buckets
+READY_INDEX = 0x7FFF  # tag of a stream's "receives posted" message (no bucket has this index)
 
 
 def _tag(stream: Stream, bucket: Bucket) -> int:
     # Unique per (stream, bucket) so a message can only ever match its own receive.
-    return (stream.stream_id << 16) | (bucket.index & 0x7FFF)
+    return (stream.stream_id << 16) | bucket.index  # plan.MAX_BUCKETS_PER_STREAM keeps it below 0x7FFF
+
+
+def _manifest_tag(stream: Stream) -> int:
+    return (stream.stream_id << 16) | MANIFEST_TAG
+
+
+def _ready_tag(stream: Stream) -> int:
+    return (stream.stream_id << 16) | READY_INDEX
 
 
 def _direct_len(bucket: Bucket) -> int:
@@ -131,17 +138,21 @@ class _Endpoint:
         return min(self.plan.source_ranks)
 
     def _buffer(self, stream: Stream, slot: int) -> torch.Tensor:
-        """A bucket-sized staging buffer of ``stream`` (slots are reused sync after sync)."""
+        """A staging buffer of ``stream`` for the largest bucket this rank packs or unpacks (slots are
+        reused sync after sync; zero-copy buckets need none)."""
         key = (stream.stream_id, slot)
         buf = self._buffers.get(key)
         if buf is None:
-            size = max(b.payload_bytes for b in stream.buckets) + TRAILER_BYTES
+            is_src = stream.src == self.rank
+            staged = [b for b in stream.buckets if not b.direct or (is_src and b.src_copy)]
+            size = max((b.payload_bytes for b in staged), default=0) + TRAILER_BYTES
             buf = torch.empty(size, dtype=torch.uint8, device=self.group.device)
             self._buffers[key] = buf
         return buf
 
-    def _trailer(self) -> torch.Tensor:
-        return torch.zeros(TRAILER_BYTES, dtype=torch.uint8, device=self.group.device)
+    def _manifest(self, stream: Stream) -> torch.Tensor:
+        """The trailers of ``stream``'s direct buckets, one 32-byte row each."""
+        return torch.zeros(stream.num_direct * TRAILER_BYTES, dtype=torch.uint8, device=self.group.device)
 
     # ----------------------------------------------------------------------------------------------
     # One sync
@@ -156,23 +167,29 @@ class _Endpoint:
     ) -> tuple[int, int]:
         """Run this rank's part of the plan. Returns ``(payload bytes, buckets)`` handled here.
 
-        Packed buckets cycle through ``NUM_SLOTS`` buffers per stream: sources pack bucket k+1 while
-        bucket k is on the wire; destinations keep the next receive posted while they verify, forward
-        and unpack the current one. Direct buckets need no buffer: sources start them all at once
-        (payload first, the checksum trailer while it travels), destinations post up to
-        ``DIRECT_WINDOW`` receives ahead straight into the destination tensors.
+        Destinations post every direct receive (straight into the destination tensors) and their
+        stream's manifest receive up front, and packed receives as staging slots free up: gloo moves a
+        message only once its receive is posted, so this lets every source stream at full speed.
+        Sources start direct sends from their tensors' memory at once and compute each checksum while
+        the bytes travel; boxes that need packing (packed buckets, and direct ones with ``src_copy``)
+        cycle through ``NUM_SLOTS`` staging buffers, bucket k+1 packed while bucket k is on the wire.
+        A relay forwards each bucket before unpacking it, and a stream's manifest after its last direct
+        bucket; direct buckets are verified against the manifest once it has arrived.
         """
         plan = self.plan
         assert plan is not None
         group = self.group
         schedule = plan.schedule(self.rank)
-        sends: dict[
-            tuple[int, int], tuple[list[Any], int, int]
-        ] = {}  # (stream, slot) -> (works, peer, bucket)
-        loose: list[tuple[list[Any], int, int]] = []  # direct sends and forwards: waited at the end
-        recvs: dict[tuple[int, int], tuple[list[Any], torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
+        # (stream, slot) -> (works, peer, bucket): a slot's send, waited before the slot is reused
+        sends: dict[tuple[int, int], tuple[list[Any], int, int]] = {}
+        loose: list[tuple[list[Any], int, int]] = []  # sends from tensors' memory: waited at the end
+        recvs: dict[tuple[int, int], tuple[list[Any], torch.Tensor, torch.Tensor | None]] = {}
+        manifests: dict[int, tuple[list[Any], torch.Tensor]] = {}  # stream -> (receive, manifest)
+        received_direct: dict[int, list[torch.Tensor]] = {}  # stream -> payloads awaiting the manifest
+        slot_uses: dict[int, int] = {}  # stream -> staging buffers used so far on this (source) rank
         next_post: dict[int, int] = {}  # stream -> next bucket index to post a receive for
         total_bytes = 0
+        stamp = {"policy_version": policy_version, "sync_index": sync_index, "checksum": self.checksum}
 
         def wait_all(works: list[Any], peer: int, bucket_index: int, what: str) -> None:
             for work in works:
@@ -183,109 +200,165 @@ class _Endpoint:
             if pending is not None:
                 wait_all(*pending, "sending weights")
 
-        def packed_slot(stream: Stream, bucket: Bucket) -> int:
-            return (bucket.index - stream.num_direct) % NUM_SLOTS
+        def source_slot(stream: Stream) -> tuple[tuple[int, int], torch.Tensor]:
+            """The next staging buffer of ``stream``, once its previous bucket is on the wire."""
+            uses = slot_uses.get(stream.stream_id, 0)
+            slot_uses[stream.stream_id] = uses + 1
+            key = (stream.stream_id, uses % NUM_SLOTS)
+            wait_send(key)
+            return key, self._buffer(stream, key[1])
 
         def post_recvs(stream: Stream, processed: int) -> None:
-            """Post receives ahead: direct ones up to DIRECT_WINDOW, packed ones as slots free up."""
+            """Post receives ahead: every direct one, packed ones as their slots free up."""
+            nd = stream.num_direct
             i = next_post.get(stream.stream_id, 0)
+            peer = stream.upstream(self.rank)
+            if i == 0 and nd:
+                manifest = self._manifest(stream)
+                works = [group.recv(manifest, peer, _manifest_tag(stream), bucket=nd - 1)]
+                manifests[stream.stream_id] = (works, manifest)
             while i < len(stream.buckets):
                 bucket = stream.buckets[i]
-                window = DIRECT_WINDOW if bucket.direct else NUM_SLOTS
-                if i - window >= processed:
-                    break
-                peer, tag = stream.upstream(self.rank), _tag(stream, bucket)
-                staged: torch.Tensor | None = None
-                trailer = self._trailer()
+                tag = _tag(stream, bucket)
                 if bucket.direct:
                     assert dst_tensors is not None
                     e = bucket.entries[0]
+                    staged = None
                     payload = box_bytes(dst_tensors[e.dst_name], e.dst_offsets, e.sizes)
                     if payload is None:  # destination not contiguous: land in a buffer of its own, then copy
                         staged = torch.empty(_direct_len(bucket), dtype=torch.uint8, device=group.device)
                         payload = staged
-                    works = [
-                        group.recv(payload, peer, tag, bucket=bucket.index),
-                        group.recv(trailer, peer, tag | TRAILER_TAG, bucket=bucket.index),
-                    ]
+                    works = [group.recv(payload, peer, tag, bucket=bucket.index)]
                 else:
-                    staged = self._buffer(stream, packed_slot(stream, bucket))
-                    n = bucket.payload_bytes
-                    payload, trailer = staged[:n], staged[n : n + TRAILER_BYTES]
-                    works = [group.recv(staged[: n + TRAILER_BYTES], peer, tag, bucket=bucket.index)]
-                recvs[(stream.stream_id, i)] = (works, payload, trailer, staged)
+                    if i - nd >= max(0, processed - nd) + NUM_SLOTS:
+                        break  # its staging slot still holds an earlier bucket
+                    staged = self._buffer(stream, (i - nd) % NUM_SLOTS)
+                    payload = staged[: bucket.payload_bytes + TRAILER_BYTES]
+                    works = [group.recv(payload, peer, tag, bucket=bucket.index)]
+                recvs[(stream.stream_id, i)] = (works, payload, staged)
                 i += 1
             next_post[stream.stream_id] = i
 
-        # Post the first receives of every incoming stream up front: gloo only moves a message once
-        # its receive is posted, so this is what lets all sources start at once.
+        # Gloo copies a message under a lock that posting a receive also takes, so receives posted
+        # while data flows wait for it: post them all first, then tell the upstream peer to start.
+        ready_from: dict[int, tuple[list[Any], int]] = {}  # stream -> (receive of "ready", peer)
+        for stream in plan.streams:
+            downstream = stream.downstream(self.rank) if self.rank in (stream.src, *stream.chain) else None
+            if downstream is not None:
+                flag = torch.zeros(1, dtype=torch.int64, device=group.device)
+                works = [group.recv(flag, downstream, _ready_tag(stream), bucket=0)]
+                ready_from[stream.stream_id] = (works, downstream)
         for stream in plan.streams:
             if self.rank in stream.chain:
                 post_recvs(stream, 0)
+        for stream in plan.streams:
+            if self.rank in stream.chain:
+                peer = stream.upstream(self.rank)
+                flag = torch.ones(1, dtype=torch.int64, device=group.device)
+                loose.append(([group.send(flag, peer, _ready_tag(stream), bucket=0)], peer, 0))
+
+        def await_ready(stream: Stream) -> None:
+            """Before the first message down ``stream``: the next hop has posted its receives."""
+            pending = ready_from.pop(stream.stream_id, None)
+            if pending is not None:
+                wait_all(pending[0], pending[1], 0, "waiting for the receiver to post its receives")
+
+        # A source starts every send straight from its tensors' memory at once, so those bytes flow
+        # while it packs the rest; it checksums them in schedule order below.
+        in_flight: dict[tuple[int, int], torch.Tensor] = {}  # (stream, bucket) -> payload being sent
+        for stream in plan.streams:
+            if stream.src != self.rank:
+                continue
+            assert locals_ is not None
+            await_ready(stream)
+            dst = stream.chain[0]
+            for bucket in stream.buckets:
+                if not bucket.direct or bucket.src_copy:
+                    continue
+                e = bucket.entries[0]
+                local, local_offsets = locals_[e.src_name]
+                rel = tuple(o - lo for o, lo in zip(e.src_offsets, local_offsets, strict=True))
+                payload = box_bytes(local, rel, e.sizes)
+                if payload is not None:  # None: a non-contiguous tensor, packed in the loop below
+                    works = [group.send(payload, dst, _tag(stream, bucket), bucket=bucket.index)]
+                    loose.append((works, dst, bucket.index))
+                    in_flight[(stream.stream_id, bucket.index)] = payload
 
         for stream, bucket in schedule:
-            tag = _tag(stream, bucket)
-            stamp = {
-                "stream_id": stream.stream_id,
-                "bucket_index": bucket.index,
-                "policy_version": policy_version,
-                "sync_index": sync_index,
-                "checksum": self.checksum,
-            }
+            sid, tag = stream.stream_id, _tag(stream, bucket)
+            ids = {"stream_id": sid, "bucket_index": bucket.index}
+            last_direct = bucket.direct and bucket.index == stream.num_direct - 1
             if stream.src == self.rank:
                 assert locals_ is not None
                 dst = stream.chain[0]
                 if bucket.direct:
-                    e = bucket.entries[0]
-                    local, local_offsets = locals_[e.src_name]
-                    rel = tuple(o - lo for o, lo in zip(e.src_offsets, local_offsets, strict=True))
-                    payload = box_bytes(local, rel, e.sizes)
-                    if payload is None:  # source not contiguous after all: pack it into its own buffer
-                        payload = torch.empty(_direct_len(bucket), dtype=torch.uint8, device=group.device)
-                        pack_entry(payload, e, local, local_offsets)
-                    works = [group.send(payload, dst, tag, bucket=bucket.index)]
-                    trailer = self._trailer()
-                    write_trailer(trailer, payload, **stamp)  # checksum while the payload travels
-                    works.append(group.send(trailer, dst, tag | TRAILER_TAG, bucket=bucket.index))
-                    loose.append((works, dst, bucket.index))
+                    if bucket.index == 0:
+                        manifests[sid] = ([], self._manifest(stream))
+                    payload = in_flight.pop((sid, bucket.index), None)
+                    if payload is None:  # a column slice (or a non-contiguous tensor): pack it first
+                        e = bucket.entries[0]
+                        local, local_offsets = locals_[e.src_name]
+                        key, buf = source_slot(stream)
+                        payload = buf[: _direct_len(bucket)]
+                        pack_entry(buf, e, local, local_offsets)
+                        sends[key] = ([group.send(payload, dst, tag, bucket=bucket.index)], dst, bucket.index)
+                    manifest = manifests[sid][1]
+                    at = bucket.index * TRAILER_BYTES
+                    write_trailer(manifest[at : at + TRAILER_BYTES], payload, **ids, **stamp)
+                    if last_direct:
+                        works = [group.send(manifest, dst, _manifest_tag(stream), bucket=bucket.index)]
+                        loose.append((works, dst, bucket.index))
                 else:
-                    key = (stream.stream_id, packed_slot(stream, bucket))
-                    wait_send(key)  # the slot's previous bucket must be on the wire before reuse
-                    buf = self._buffer(stream, key[1])
+                    key, buf = source_slot(stream)
                     n = bucket.payload_bytes
                     pack_bucket(buf, bucket, locals_)
-                    write_trailer(buf[n:], buf[:n], **stamp)
-                    sends[key] = (
-                        [group.send(buf[: n + TRAILER_BYTES], dst, tag, bucket=bucket.index)],
-                        dst,
-                        bucket.index,
-                    )
+                    write_trailer(buf[n:], buf[:n], **ids, **stamp)
+                    works = [group.send(buf[: n + TRAILER_BYTES], dst, tag, bucket=bucket.index)]
+                    sends[key] = (works, dst, bucket.index)
             else:
                 assert dst_tensors is not None
                 upstream = stream.upstream(self.rank)
-                works, payload, trailer, staged = recvs.pop((stream.stream_id, bucket.index))
-                wait_all(works, upstream, bucket.index, "receiving weights")
-                self._verify(payload, trailer, bucket, stream, upstream, policy_version, sync_index)
                 downstream = stream.downstream(self.rank)
+                works, payload, staged = recvs.pop((sid, bucket.index))
+                wait_all(works, upstream, bucket.index, "receiving weights")
                 if downstream is not None:
-                    # Forward before unpacking: the next replica receives while this one copies.
-                    if bucket.direct:
-                        fwd = [
-                            group.send(payload, downstream, tag, bucket=bucket.index),
-                            group.send(trailer, downstream, tag | TRAILER_TAG, bucket=bucket.index),
-                        ]
+                    await_ready(stream)
+                if bucket.direct:
+                    if downstream is not None:  # forward first: the next replica receives while we go on
+                        fwd = [group.send(payload, downstream, tag, bucket=bucket.index)]
                         loose.append((fwd, downstream, bucket.index))
-                    else:
-                        n = bucket.payload_bytes
-                        assert staged is not None
-                        fwd = [group.send(staged[: n + TRAILER_BYTES], downstream, tag, bucket=bucket.index)]
-                        sends[(stream.stream_id, -1)] = (fwd, downstream, bucket.index)
-                if staged is not None:
-                    if bucket.direct:
+                    if staged is not None:
                         unpack_entry(staged, bucket.entries[0], dst_tensors[bucket.entries[0].dst_name])
-                    else:
-                        unpack_bucket(staged, bucket, dst_tensors)
-                wait_send((stream.stream_id, -1))  # a packed forward must finish before its slot is reused
+                    received_direct.setdefault(sid, []).append(payload)
+                    if last_direct:
+                        m_works, manifest = manifests.pop(sid)
+                        wait_all(m_works, upstream, bucket.index, "receiving the manifest")
+                        if downstream is not None:
+                            fwd = [
+                                group.send(manifest, downstream, _manifest_tag(stream), bucket=bucket.index)
+                            ]
+                            loose.append((fwd, downstream, bucket.index))
+                        for b, got in zip(stream.buckets, received_direct.pop(sid), strict=False):
+                            at = b.index * TRAILER_BYTES
+                            trailer = manifest[at : at + TRAILER_BYTES]
+                            self._verify(got, trailer, b, stream, upstream, policy_version, sync_index)
+                else:
+                    n = bucket.payload_bytes
+                    assert staged is not None
+                    self._verify(
+                        staged[:n],
+                        staged[n : n + TRAILER_BYTES],
+                        bucket,
+                        stream,
+                        upstream,
+                        policy_version,
+                        sync_index,
+                    )
+                    if downstream is not None:
+                        fwd = [group.send(staged[: n + TRAILER_BYTES], downstream, tag, bucket=bucket.index)]
+                        sends[(sid, -1)] = (fwd, downstream, bucket.index)
+                    unpack_bucket(staged, bucket, dst_tensors)
+                    wait_send((sid, -1))  # a packed forward must finish before its slot is reused
                 post_recvs(stream, bucket.index + 1)
             total_bytes += bucket.payload_bytes
         for key in list(sends):
@@ -320,7 +393,7 @@ class _Endpoint:
                 bucket=bucket.index,
             )
         if self.checksum:
-            want = bucket_checksum(payload, self.checksum)
+            want = bucket_checksum(payload, self.checksum, sync_index)
             if want != got_sum:
                 raise WeightSyncError(
                     f"rank {self.rank}: checksum mismatch in {where}: computed {want}, sent {got_sum}",

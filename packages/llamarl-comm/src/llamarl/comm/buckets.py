@@ -2,8 +2,9 @@
 
 A bucket on the wire is ``payload_bytes`` of entries (each 8-byte aligned, see ``plan.Entry``) followed
 by a 32-byte trailer of four int64 words: checksum, policy_version, sync index, stream/bucket id. A
-direct bucket (``Bucket.direct``) is one raw box sent straight from the source tensor's memory into the
-destination tensor's, with its trailer as a second, 32-byte message.
+direct bucket (``Bucket.direct``) is one raw box received straight into the destination tensor's memory
+(and sent from the source tensor's, unless ``Bucket.src_copy``); the trailers of a stream's direct
+buckets travel together in one manifest message after the last of them.
 The checksum is the wrapping sum of the payload read as int64 words: one memory pass, computed by torch,
 independent of summation order, and it catches truncated, shifted, stale or zeroed buckets (it is not a
 cryptographic hash: it guards against bugs and torn transfers, not adversaries).
@@ -40,18 +41,25 @@ def _box(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[slice, ...]:
     return tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))
 
 
-def bucket_checksum(payload_u8: torch.Tensor, stride: int = 1) -> int:
+def bucket_checksum(payload_u8: torch.Tensor, stride: int = 1, phase: int = 0) -> int:
     """Wrapping int64 sum of a payload (uint8) read as int64 words; a ragged tail adds its bytes.
 
-    ``stride > 1`` sums every ``stride``-th word plus the last one: a cheaper spot check (a fraction of
-    the memory traffic) that still catches stale, shifted, misrouted or truncated buckets.
+    ``stride > 1`` sums every ``stride``-th word starting at word ``phase``, plus the last one: a cheaper
+    spot check (a fraction of the memory traffic) that still catches stale, shifted, misrouted or
+    truncated buckets. Senders rotate ``phase`` with the sync index, so every word is checked once
+    every ``stride`` syncs.
     """
+    if payload_u8.data_ptr() % 8:
+        # A box landing at an odd place in a tensor: sum an aligned copy, so both sides agree whatever
+        # the alignment of their own memory.
+        payload_u8 = payload_u8.clone()
     n = payload_u8.numel()
     whole = n - n % 8
     total = 0
     if whole:
         words = payload_u8[:whole].view(torch.int64)
-        total = int(words.sum()) if stride <= 1 else int(words[::stride].sum()) + int(words[-1])
+        sampled = words if stride <= 1 else words[phase % stride :: stride]
+        total = int(sampled.sum()) + (int(words[-1]) if stride > 1 else 0)
     if whole != n:
         total += int(payload_u8[whole:].sum(dtype=torch.int64))
     return (total + 2**63) % 2**64 - 2**63  # wrap like the int64 sum, so it fits the trailer
@@ -143,8 +151,8 @@ def write_trailer(
     checksum: int,
 ) -> None:
     """Write the 32-byte trailer of ``payload_u8`` into ``out_u8``. ``checksum`` is the word stride of
-    the checksum (1: every word), 0 for none."""
-    total = bucket_checksum(payload_u8, checksum) if checksum else 0
+    the checksum (1: every word), 0 for none; its phase is ``sync_index % checksum``."""
+    total = bucket_checksum(payload_u8, checksum, sync_index) if checksum else 0
     words = torch.tensor(
         [total, policy_version, sync_index, (stream_id << 32) | bucket_index], dtype=torch.int64
     )

@@ -101,7 +101,7 @@ class SourceLayout:
     tensors: dict[str, SourceTensor] = field(default_factory=dict)  # by parameter name, in send order
     wire_dtype: str | None = None  # None: as held; "bfloat16" or "float8_e4m3fn": cast on the wire
     bucket_bytes: int = 64 << 20  # payload bytes per bucket (all source ranks must agree)
-    checksum: int = 1  # bucket checksum over every n-th int64 word (1: all of them), 0: none
+    checksum: int = 64  # bucket checksum over every n-th int64 word (1: all of them), 0: none
     direct_min_bytes: int = 256 << 10  # contiguous slices at least this big go zero-copy
 
     def to_json(self) -> dict[str, Any]:
@@ -131,7 +131,7 @@ class SourceLayout:
             tensors=tensors,
             wire_dtype=data.get("wire_dtype"),
             bucket_bytes=int(data.get("bucket_bytes", 64 << 20)),
-            checksum=int(data.get("checksum", 1)),
+            checksum=int(data.get("checksum", 64)),
             direct_min_bytes=int(data.get("direct_min_bytes", 256 << 10)),
         )
 

@@ -22,6 +22,7 @@ Every rank runs its part of all streams in one global order, bucket index first,
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
@@ -47,6 +48,8 @@ Shape = tuple[int, ...]
 # Every entry starts on an 8-byte boundary, so any dtype can be viewed in place and the checksum can
 # read the bucket as int64 words.
 ALIGN_BYTES = 8
+# Message tags give a bucket's index 15 bits, and the top index is reserved (see _session).
+MAX_BUCKETS_PER_STREAM = 0x7FFF
 FP8 = "float8_e4m3fn"
 BF16 = "bfloat16"
 
@@ -112,9 +115,12 @@ class Bucket:
     index: int  # position in its stream
     entries: tuple[Entry, ...]  # in byte order
     payload_bytes: int  # sum of the entries' (aligned) sizes
-    # Direct (zero-copy) bucket: one raw entry, contiguous in the source's local tensor and in the
-    # destination tensor, sent from and received into them (the trailer travels as its own message).
+    # Direct bucket: one raw entry, contiguous in the destination tensor, received straight into it;
+    # its trailer travels in the stream's manifest (one message after the stream's last direct bucket).
     direct: bool = False
+    # A direct bucket whose box is not one run of the source's local tensor (a column slice): the
+    # source packs it into a staging buffer first. Otherwise it is sent from the tensor's own memory.
+    src_copy: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,7 +132,7 @@ class Stream:
     chain: tuple[int, ...]  # destination group ranks: src -> chain[0] -> chain[1] -> ...
     buckets: tuple[Bucket, ...]
 
-    @property
+    @functools.cached_property
     def num_direct(self) -> int:
         """Direct buckets of the stream (they come first)."""
         return sum(b.direct for b in self.buckets)
@@ -215,14 +221,19 @@ def is_contiguous_box(offsets: Shape, sizes: Shape, shape: Shape) -> bool:
 
 
 def _is_direct(cell: _Cell, wire: str, min_bytes: int) -> bool:
-    rel = tuple(o - lo for o, lo in zip(cell.src_offsets, cell.src_local_offsets, strict=True))
+    """Whether a cell can be received in place: raw bytes, one run of the destination tensor."""
     return (
         wire == "raw"
         and cell.dst_dtype == cell.src_dtype
         and math.prod(cell.sizes) * dtype_from_str(cell.src_dtype).itemsize >= min_bytes
-        and is_contiguous_box(rel, cell.sizes, cell.src_local_sizes)
         and is_contiguous_box(cell.dst_offsets, cell.sizes, cell.dst_shape)
     )
+
+
+def _src_contiguous(cell: _Cell, sizes: Shape) -> bool:
+    """Whether a box of ``sizes`` cut from a cell is one run of memory in its source's local tensor
+    (then it is sent from there)."""
+    return is_contiguous_box(cell.src_offsets, sizes, cell.src_local_sizes)
 
 
 def _box_contains(outer_off: Shape, outer_sz: Shape, off: Shape, sz: Shape) -> bool:
@@ -276,10 +287,10 @@ def _bucketize(
 ) -> tuple[Bucket, ...]:
     """Pack cells into buckets of at most ``bucket_bytes`` payload, splitting boxes that do not fit.
 
-    Large contiguous cells become direct buckets (one entry each, split at ``bucket_bytes`` so streams
-    still interleave); the others share packed buckets.
+    Large cells contiguous at the destination become direct buckets (one entry each, split at
+    ``bucket_bytes`` so streams still interleave); the others share packed buckets.
     """
-    direct: list[tuple[Entry, ...]] = []
+    direct: list[tuple[tuple[Entry, ...], bool]] = []  # (entries, src_copy)
     packed: list[tuple[Entry, ...]] = []
     entries: list[Entry] = []
     used = 0
@@ -318,7 +329,8 @@ def _bucketize(
             if fit is None:
                 raise PlanError(f"bucket_bytes={bucket_bytes} cannot hold one element of {cell.src_name}")
             (h_delta, h_sizes), rest = fit
-            direct.append((entry(cell, h_delta, h_sizes, wire, 0, cost(h_sizes)),))
+            head = entry(cell, h_delta, h_sizes, wire, 0, cost(h_sizes))
+            direct.append(((head,), not _src_contiguous(cell, h_sizes)))
             todo.extend((cell, d, s) for d, s in reversed(rest))
             continue
         fit = _split_to_fit(delta, sizes, cost, bucket_bytes - used)
@@ -337,8 +349,8 @@ def _bucketize(
             todo.extend((cell, d, s) for d, s in reversed(rest))
     close()
     buckets = [
-        Bucket(index=i, entries=es, payload_bytes=sum(e.nbytes for e in es), direct=True)
-        for i, es in enumerate(direct)
+        Bucket(index=i, entries=es, payload_bytes=sum(e.nbytes for e in es), direct=True, src_copy=copy)
+        for i, (es, copy) in enumerate(direct)
     ]
     buckets += [
         Bucket(index=len(buckets) + i, entries=es, payload_bytes=sum(e.nbytes for e in es))
@@ -395,8 +407,9 @@ def make_plan(
     """Compute the transfer plan from every rank's layout (keys: group ranks).
 
     ``strict``: every source parameter must be wanted by some destination (catches name mismatches on
-    both sides). Boxes of at least ``direct_min_bytes`` that are contiguous on both sides and keep their
-    dtype go zero-copy in buckets of their own (``Bucket.direct``); the rest is packed. Raises
+    both sides). Boxes of at least ``direct_min_bytes`` that are contiguous at the destination and keep
+    their dtype are received in place, in buckets of their own (``Bucket.direct``; sent from the source
+    tensor's memory too where the box is contiguous there); the rest is packed. Raises
     ``PlanError`` with the rank and name at fault when the layouts do not fit.
     """
     if bucket_bytes < 64:
@@ -491,6 +504,11 @@ def make_plan(
             k = len(streams) % len(members)
             chain = tuple(members[k:] + members[:k])
             buckets = _bucketize(cells, wire_dtype, bucket_bytes, direct_min_bytes)
+            if len(buckets) > MAX_BUCKETS_PER_STREAM:
+                raise PlanError(
+                    f"{len(buckets)} buckets from source rank {src} to ranks {chain}: at most "
+                    f"{MAX_BUCKETS_PER_STREAM} per stream (raise bucket_bytes or direct_min_bytes)"
+                )
             streams.append(Stream(stream_id=len(streams), src=src, chain=chain, buckets=buckets))
 
     if strict:
