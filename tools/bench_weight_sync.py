@@ -4,14 +4,17 @@ For each model (SmolLM2-135M shapes; a synthetic ~1.1B Llama-like set, TinyLlama
 layout (1->1 and 1->2 replicated engines; 2->2: an FSDP2-sharded trainer (DTensor Shard(0)) to a
 tensor-parallel engine with fused qkv / gate_up), all in bf16, it measures:
 
-- sync: ``WeightSender.send`` / ``WeightReceiver.receive`` of the whole model (best of ``--repeats``
-  after a warm-up), from a store barrier to the last rank done;
+- sync: ``WeightSender.send`` / ``WeightReceiver.receive`` of the whole model, from a store barrier to
+  the last rank done;
 - (a) the transport's own limit: the same bytes per link as ONE large gloo send per (source,
   destination) link of the plan, between the same processes, all links at once (for replicas that is
   one send per replica: what the plan's relay chain avoids);
-- (b) the naive way: one gloo broadcast per parameter, whole, from rank 0 to every other rank.
+- (b) the naive way: one gloo broadcast per parameter, whole, from rank 0 to every other rank (an
+  FSDP2 trainer first gathers each parameter with ``full_tensor()``; a TP engine keeps its slices).
 
-GB/s is the model's size (bytes of every full parameter) over the time. Usage:
+After a warm-up, ``--repeats`` rounds each run sync, (a) and (b) once, so all three see the same
+machine; each figure is the best round. GB/s is the model's size (bytes of every full parameter)
+over the time. Usage:
 
     uv run --frozen python tools/bench_weight_sync.py [--models smollm2-135m,synthetic-1b]
         [--layouts 1-1,1-2,2-2] [--repeats 2] [--bucket-mb 64] [--no-checksum | --checksum-stride N]
@@ -214,11 +217,6 @@ def _worker(
         else:
             assert endpoint.receive(timeout_s=600) == version
 
-    barrier(group, "warmup")
-    sync()
-    for _ in range(repeats):
-        timed("sync", sync)
-
     # (a) One large send per link, the same bytes per link as the plan, all links at once.
     flat_u8 = flat.view(torch.uint8)
 
@@ -239,28 +237,41 @@ def _worker(
         for w in works:
             w.wait()
 
-    # (b) Naive: one broadcast per parameter, whole, from rank 0 (other ranks get every full tensor).
+    # (b) Naive: one broadcast per parameter, whole, from rank 0 to every other rank. A sharded trainer
+    # first gathers each parameter (DTensor.full_tensor, over its own group); a sharded engine receives
+    # the whole parameter and keeps its slice (what an engine's weight loader does).
     scratch = torch.empty(max(math.prod(s) for s in shapes.values()), dtype=DTYPE)
 
     def naive() -> None:
         for name, shape in shapes.items():
-            if num_src == 1 and is_src:
-                t = tensors[name]
-            elif num_src == 1:
-                t = tensors[name]  # whole on every replicated engine: broadcast lands in place
+            if num_src == 1:
+                group.broadcast(tensors[name], 0).wait()  # whole on every rank: lands in place
+                continue
+            if is_src:
+                full = tensors[name].full_tensor()
+                group.broadcast(full, 0).wait()
             else:
-                t = scratch[: math.prod(shape)].view(shape)  # sharded sides: a full-size staging tensor
-            group.broadcast(t, 0).wait()
+                full = scratch[: math.prod(shape)].view(shape)
+                group.broadcast(full, 0).wait()
+                for src_box, target in dest_slices.get(name, []):
+                    target.copy_(full[src_box])
 
-    for kind, fn in (("limit", limit), ("naive", naive)):
-        barrier(group, f"{kind}-warm")
-        if kind == "naive":
-            for _ in range(1):
-                timed(kind, fn)
-        else:
-            fn()
-            for _ in range(repeats):
-                timed(kind, fn)
+    dest_slices: dict[str, list[tuple[tuple[slice, ...], torch.Tensor]]] = {}
+    if num_src > 1 and not is_src:
+        # The naive engine's slices of each full parameter: its rows (or columns) of the TP shard.
+        for t in dest_layout.tensors.values():
+            for p in t.pieces:
+                src_box = tuple(slice(o, o + n) for o, n in zip(p.src_offsets, p.sizes, strict=True))
+                dst_box = tuple(slice(o, o + n) for o, n in zip(p.dst_offsets, p.sizes, strict=True))
+                dest_slices.setdefault(p.src_name, []).append((src_box, tensors[t.name][dst_box]))
+
+    barrier(group, "warmup")
+    sync()
+    limit()
+    # Rounds interleave the three so that they see the same machine (a shared machine drifts).
+    for _ in range(repeats):
+        for kind, fn in (("sync", sync), ("limit", limit), ("naive", naive)):
+            timed(kind, fn)
     barrier(group, "end")
     full_bytes = sum(math.prod(s) for s in shapes.values()) * DTYPE.itemsize
     return {
@@ -281,7 +292,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--bucket-mb", type=float, default=64)
     parser.add_argument("--no-checksum", action="store_true")
-    parser.add_argument("--checksum-stride", type=int, default=1, help="checksum every n-th int64 word")
+    parser.add_argument(
+        "--checksum-stride", type=int, default=64, help="checksum every n-th int64 word (the default)"
+    )
     parser.add_argument("--direct-min-mb", type=float, default=0.25, help="zero-copy slices from this size")
     args = parser.parse_args()
     rows = []
