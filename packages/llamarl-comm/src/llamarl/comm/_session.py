@@ -26,11 +26,15 @@ import torch
 
 from llamarl.comm.buckets import (
     TRAILER_BYTES,
+    Trailer,
     box_bytes,
     bucket_checksum,
+    manifest_bytes,
     pack_bucket,
     pack_entry,
     read_trailer,
+    read_trailers,
+    trailer_words,
     unpack_bucket,
     unpack_entry,
     write_trailer,
@@ -185,6 +189,7 @@ class _Endpoint:
         loose: list[tuple[list[Any], int, int]] = []  # sends from tensors' memory: waited at the end
         recvs: dict[tuple[int, int], tuple[list[Any], torch.Tensor, torch.Tensor | None]] = {}
         manifests: dict[int, tuple[list[Any], torch.Tensor]] = {}  # stream -> (receive, manifest)
+        manifest_rows: dict[int, list[list[int]]] = {}  # stream -> trailer words of its direct buckets
         received_direct: dict[int, list[torch.Tensor]] = {}  # stream -> payloads awaiting the manifest
         slot_uses: dict[int, int] = {}  # stream -> staging buffers used so far on this (source) rank
         next_post: dict[int, int] = {}  # stream -> next bucket index to post a receive for
@@ -293,7 +298,7 @@ class _Endpoint:
                 dst = stream.chain[0]
                 if bucket.direct:
                     if bucket.index == 0:
-                        manifests[sid] = ([], self._manifest(stream))
+                        manifest_rows[sid] = []
                     payload = in_flight.pop((sid, bucket.index), None)
                     if payload is None:  # a column slice (or a non-contiguous tensor): pack it first
                         e = bucket.entries[0]
@@ -302,10 +307,9 @@ class _Endpoint:
                         payload = buf[: _direct_len(bucket)]
                         pack_entry(buf, e, local, local_offsets)
                         sends[key] = ([group.send(payload, dst, tag, bucket=bucket.index)], dst, bucket.index)
-                    manifest = manifests[sid][1]
-                    at = bucket.index * TRAILER_BYTES
-                    write_trailer(manifest[at : at + TRAILER_BYTES], payload, **ids, **stamp)
+                    manifest_rows[sid].append(trailer_words(payload, **ids, **stamp))  # while it travels
                     if last_direct:
+                        manifest = manifest_bytes(manifest_rows.pop(sid), group.device)
                         works = [group.send(manifest, dst, _manifest_tag(stream), bucket=bucket.index)]
                         loose.append((works, dst, bucket.index))
                 else:
@@ -338,16 +342,16 @@ class _Endpoint:
                                 group.send(manifest, downstream, _manifest_tag(stream), bucket=bucket.index)
                             ]
                             loose.append((fwd, downstream, bucket.index))
-                        for b, got in zip(stream.buckets, received_direct.pop(sid), strict=False):
-                            at = b.index * TRAILER_BYTES
-                            trailer = manifest[at : at + TRAILER_BYTES]
+                        trailers = read_trailers(manifest)
+                        got_payloads = received_direct.pop(sid)
+                        for b, got, trailer in zip(stream.buckets, got_payloads, trailers, strict=False):
                             self._verify(got, trailer, b, stream, upstream, policy_version, sync_index)
                 else:
                     n = bucket.payload_bytes
                     assert staged is not None
                     self._verify(
                         staged[:n],
-                        staged[n : n + TRAILER_BYTES],
+                        read_trailer(staged[n : n + TRAILER_BYTES]),
                         bucket,
                         stream,
                         upstream,
@@ -370,14 +374,14 @@ class _Endpoint:
     def _verify(
         self,
         payload: torch.Tensor,
-        trailer: torch.Tensor,
+        trailer: Trailer,
         bucket: Bucket,
         stream: Stream,
         upstream: int,
         policy_version: int,
         sync_index: int,
     ) -> None:
-        got_sum, got_version, got_sync, got_stream, got_bucket = read_trailer(trailer)
+        got_sum, got_version, got_sync, got_stream, got_bucket = trailer
         where = f"bucket {bucket.index} of stream {stream.stream_id} from peer rank {upstream}"
         if (got_version, got_sync, got_stream, got_bucket) != (
             policy_version,

@@ -25,10 +25,14 @@ from llamarl.comm.plan import BF16, FP8, Bucket, Entry
 __all__ = [
     "FP8_MAX",
     "TRAILER_BYTES",
+    "Trailer",
     "box_bytes",
     "bucket_checksum",
+    "manifest_bytes",
     "pack_bucket",
     "read_trailer",
+    "read_trailers",
+    "trailer_words",
     "unpack_bucket",
     "write_trailer",
 ]
@@ -140,8 +144,10 @@ def unpack_bucket(buf_u8: torch.Tensor, bucket: Bucket, dst_tensors: dict[str, t
         unpack_entry(buf_u8, entry, dst_tensors[entry.dst_name])
 
 
-def write_trailer(
-    out_u8: torch.Tensor,
+Trailer = tuple[int, int, int, int, int]  # (checksum, policy_version, sync_index, stream_id, bucket_index)
+
+
+def trailer_words(
     payload_u8: torch.Tensor,
     *,
     stream_id: int,
@@ -149,17 +155,30 @@ def write_trailer(
     policy_version: int,
     sync_index: int,
     checksum: int,
-) -> None:
-    """Write the 32-byte trailer of ``payload_u8`` into ``out_u8``. ``checksum`` is the word stride of
-    the checksum (1: every word), 0 for none; its phase is ``sync_index % checksum``."""
+) -> list[int]:
+    """The four int64 words of ``payload_u8``'s trailer. ``checksum`` is the word stride of the checksum
+    (1: every word), 0 for none; its phase is ``sync_index % checksum``."""
     total = bucket_checksum(payload_u8, checksum, sync_index) if checksum else 0
-    words = torch.tensor(
-        [total, policy_version, sync_index, (stream_id << 32) | bucket_index], dtype=torch.int64
-    )
+    return [total, policy_version, sync_index, (stream_id << 32) | bucket_index]
+
+
+def write_trailer(out_u8: torch.Tensor, payload_u8: torch.Tensor, **stamp: int) -> None:
+    """Write the 32-byte trailer of ``payload_u8`` into ``out_u8`` (``stamp``: see ``trailer_words``)."""
+    words = torch.tensor(trailer_words(payload_u8, **stamp), dtype=torch.int64)
     out_u8[:TRAILER_BYTES].view(torch.int64).copy_(words)
 
 
-def read_trailer(trailer_u8: torch.Tensor) -> tuple[int, int, int, int, int]:
+def manifest_bytes(rows: list[list[int]], device: torch.device) -> torch.Tensor:
+    """Trailer words (one ``trailer_words`` row per bucket) as one uint8 message."""
+    return torch.tensor(rows, dtype=torch.int64, device=device).view(torch.uint8).reshape(-1)
+
+
+def read_trailers(trailers_u8: torch.Tensor) -> list[Trailer]:
+    """The trailers in a run of 32-byte trailers (one bucket's, or a stream's manifest)."""
+    words = trailers_u8.view(torch.int64).view(-1, 4).tolist()
+    return [(t, v, n, ident >> 32, ident & 0xFFFFFFFF) for t, v, n, ident in words]
+
+
+def read_trailer(trailer_u8: torch.Tensor) -> Trailer:
     """``(checksum, policy_version, sync_index, stream_id, bucket_index)`` from a 32-byte trailer."""
-    total, version, sync_index, ident = trailer_u8[:TRAILER_BYTES].view(torch.int64).tolist()
-    return total, version, sync_index, ident >> 32, ident & 0xFFFFFFFF
+    return read_trailers(trailer_u8[:TRAILER_BYTES])[0]
