@@ -286,3 +286,16 @@ def test_spot_checksum_rotates_over_every_word_and_ignores_alignment() -> None:
     carrier[3:] = payload
     for stride in (1, 8):
         assert bucket_checksum(carrier[3:], stride, 5) == bucket_checksum(payload, stride, 5)
+
+
+def test_manifest_carries_each_buckets_ids_and_checksum() -> None:
+    from llamarl.comm.buckets import bucket_checksum, checksum_tensor, read_trailers, trailers_bytes
+
+    payloads = [torch.randint(0, 256, (n,), dtype=torch.uint8) for n in (64, 1000, 13)]
+    sums = [checksum_tensor(p, 8, 3) for p in payloads]  # stay tensors: no host sync per bucket
+    ids = [(2, i) for i in range(3)]
+    manifest = trailers_bytes(sums, ids, policy_version=7, sync_index=3, device=torch.device("cpu"))
+    assert manifest.dtype == torch.uint8 and manifest.numel() == 3 * TRAILER_BYTES
+    assert read_trailers(manifest) == [(bucket_checksum(p, 8, 3), 7, 3, 2, i) for i, p in enumerate(payloads)]
+    unchecked = trailers_bytes(None, ids, policy_version=7, sync_index=3, device=torch.device("cpu"))
+    assert [t[0] for t in read_trailers(unchecked)] == [0, 0, 0]

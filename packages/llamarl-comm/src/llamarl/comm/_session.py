@@ -28,13 +28,12 @@ from llamarl.comm.buckets import (
     TRAILER_BYTES,
     Trailer,
     box_bytes,
-    bucket_checksum,
-    manifest_bytes,
+    checksum_tensor,
     pack_bucket,
     pack_entry,
     read_trailer,
     read_trailers,
-    trailer_words,
+    trailers_bytes,
     unpack_bucket,
     unpack_entry,
     write_trailer,
@@ -189,7 +188,7 @@ class _Endpoint:
         loose: list[tuple[list[Any], int, int]] = []  # sends from tensors' memory: waited at the end
         recvs: dict[tuple[int, int], tuple[list[Any], torch.Tensor, torch.Tensor | None]] = {}
         manifests: dict[int, tuple[list[Any], torch.Tensor]] = {}  # stream -> (receive, manifest)
-        manifest_rows: dict[int, list[list[int]]] = {}  # stream -> trailer words of its direct buckets
+        manifest_sums: dict[int, list[torch.Tensor]] = {}  # stream -> checksums of its direct buckets
         received_direct: dict[int, list[torch.Tensor]] = {}  # stream -> payloads awaiting the manifest
         slot_uses: dict[int, int] = {}  # stream -> staging buffers used so far on this (source) rank
         next_post: dict[int, int] = {}  # stream -> next bucket index to post a receive for
@@ -298,7 +297,7 @@ class _Endpoint:
                 dst = stream.chain[0]
                 if bucket.direct:
                     if bucket.index == 0:
-                        manifest_rows[sid] = []
+                        manifest_sums[sid] = []
                     payload = in_flight.pop((sid, bucket.index), None)
                     if payload is None:  # a column slice (or a non-contiguous tensor): pack it first
                         e = bucket.entries[0]
@@ -307,9 +306,16 @@ class _Endpoint:
                         payload = buf[: _direct_len(bucket)]
                         pack_entry(buf, e, local, local_offsets)
                         sends[key] = ([group.send(payload, dst, tag, bucket=bucket.index)], dst, bucket.index)
-                    manifest_rows[sid].append(trailer_words(payload, **ids, **stamp))  # while it travels
+                    if self.checksum:  # now, before a staging slot is reused; on the device, no sync
+                        manifest_sums[sid].append(checksum_tensor(payload, self.checksum, sync_index))
                     if last_direct:
-                        manifest = manifest_bytes(manifest_rows.pop(sid), group.device)
+                        manifest = trailers_bytes(
+                            manifest_sums.pop(sid),
+                            [(sid, i) for i in range(stream.num_direct)],
+                            policy_version=policy_version,
+                            sync_index=sync_index,
+                            device=group.device,
+                        )
                         works = [group.send(manifest, dst, _manifest_tag(stream), bucket=bucket.index)]
                         loose.append((works, dst, bucket.index))
                 else:
@@ -342,17 +348,17 @@ class _Endpoint:
                                 group.send(manifest, downstream, _manifest_tag(stream), bucket=bucket.index)
                             ]
                             loose.append((fwd, downstream, bucket.index))
+                        got = received_direct.pop(sid)
+                        direct = stream.buckets[: stream.num_direct]
                         trailers = read_trailers(manifest)
-                        got_payloads = received_direct.pop(sid)
-                        for b, got, trailer in zip(stream.buckets, got_payloads, trailers, strict=False):
-                            self._verify(got, trailer, b, stream, upstream, policy_version, sync_index)
+                        self._verify(got, trailers, direct, stream, upstream, policy_version, sync_index)
                 else:
                     n = bucket.payload_bytes
                     assert staged is not None
                     self._verify(
-                        staged[:n],
-                        read_trailer(staged[n : n + TRAILER_BYTES]),
-                        bucket,
+                        [staged[:n]],
+                        [read_trailer(staged[n : n + TRAILER_BYTES])],
+                        [bucket],
                         stream,
                         upstream,
                         policy_version,
@@ -373,34 +379,34 @@ class _Endpoint:
 
     def _verify(
         self,
-        payload: torch.Tensor,
-        trailer: Trailer,
-        bucket: Bucket,
+        payloads: list[torch.Tensor],
+        trailers: list[Trailer],
+        buckets: list[Bucket] | tuple[Bucket, ...],
         stream: Stream,
         upstream: int,
         policy_version: int,
         sync_index: int,
     ) -> None:
-        got_sum, got_version, got_sync, got_stream, got_bucket = trailer
-        where = f"bucket {bucket.index} of stream {stream.stream_id} from peer rank {upstream}"
-        if (got_version, got_sync, got_stream, got_bucket) != (
-            policy_version,
-            sync_index,
-            stream.stream_id,
-            bucket.index,
-        ):
-            raise WeightSyncError(
-                f"rank {self.rank}: {where} is (version {got_version}, sync {got_sync}, stream {got_stream}, "
-                f"bucket {got_bucket}), expected (version {policy_version}, sync {sync_index}, "
-                f"stream {stream.stream_id}, bucket {bucket.index})",
-                peer=upstream,
-                bucket=bucket.index,
-            )
-        if self.checksum:
-            want = bucket_checksum(payload, self.checksum, sync_index)
-            if want != got_sum:
+        """Check received buckets against their trailers: ids and versions, then checksums (computed on
+        the device and read back once for all of them)."""
+        want = (policy_version, sync_index, stream.stream_id)
+        for bucket, (_, *got) in zip(buckets, trailers, strict=True):
+            if tuple(got) != (*want, bucket.index):
                 raise WeightSyncError(
-                    f"rank {self.rank}: checksum mismatch in {where}: computed {want}, sent {got_sum}",
+                    f"rank {self.rank}: bucket {bucket.index} of stream {stream.stream_id} from peer rank "
+                    f"{upstream} is (version, sync, stream, bucket) {tuple(got)}, expected "
+                    f"{(*want, bucket.index)}",
+                    peer=upstream,
+                    bucket=bucket.index,
+                )
+        if not self.checksum:
+            return
+        sums = torch.stack([checksum_tensor(p, self.checksum, sync_index) for p in payloads]).tolist()
+        for bucket, computed, trailer in zip(buckets, sums, trailers, strict=True):
+            if computed != trailer[0]:
+                raise WeightSyncError(
+                    f"rank {self.rank}: checksum mismatch in bucket {bucket.index} of stream "
+                    f"{stream.stream_id} from peer rank {upstream}: computed {computed}, sent {trailer[0]}",
                     peer=upstream,
                     bucket=bucket.index,
                 )

@@ -28,11 +28,11 @@ __all__ = [
     "Trailer",
     "box_bytes",
     "bucket_checksum",
-    "manifest_bytes",
+    "checksum_tensor",
     "pack_bucket",
     "read_trailer",
     "read_trailers",
-    "trailer_words",
+    "trailers_bytes",
     "unpack_bucket",
     "write_trailer",
 ]
@@ -45,8 +45,9 @@ def _box(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[slice, ...]:
     return tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))
 
 
-def bucket_checksum(payload_u8: torch.Tensor, stride: int = 1, phase: int = 0) -> int:
-    """Wrapping int64 sum of a payload (uint8) read as int64 words; a ragged tail adds its bytes.
+def checksum_tensor(payload_u8: torch.Tensor, stride: int = 1, phase: int = 0) -> torch.Tensor:
+    """Wrapping int64 sum of a payload (uint8) read as int64 words, as a 0-d int64 tensor on the
+    payload's device (no host sync, so a GPU keeps streaming); a ragged tail adds its bytes.
 
     ``stride > 1`` sums every ``stride``-th word starting at word ``phase``, plus the last one: a cheaper
     spot check (a fraction of the memory traffic) that still catches stale, shifted, misrouted or
@@ -59,14 +60,18 @@ def bucket_checksum(payload_u8: torch.Tensor, stride: int = 1, phase: int = 0) -
         payload_u8 = payload_u8.clone()
     n = payload_u8.numel()
     whole = n - n % 8
-    total = 0
+    total = torch.zeros((), dtype=torch.int64, device=payload_u8.device)
     if whole:
         words = payload_u8[:whole].view(torch.int64)
-        sampled = words if stride <= 1 else words[phase % stride :: stride]
-        total = int(sampled.sum()) + (int(words[-1]) if stride > 1 else 0)
+        total = words.sum() if stride <= 1 else words[phase % stride :: stride].sum() + words[-1]
     if whole != n:
-        total += int(payload_u8[whole:].sum(dtype=torch.int64))
-    return (total + 2**63) % 2**64 - 2**63  # wrap like the int64 sum, so it fits the trailer
+        total = total + payload_u8[whole:].sum(dtype=torch.int64)
+    return total
+
+
+def bucket_checksum(payload_u8: torch.Tensor, stride: int = 1, phase: int = 0) -> int:
+    """``checksum_tensor`` as a Python int."""
+    return int(checksum_tensor(payload_u8, stride, phase))
 
 
 def box_bytes(tensor: torch.Tensor, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor | None:
@@ -147,7 +152,29 @@ def unpack_bucket(buf_u8: torch.Tensor, bucket: Bucket, dst_tensors: dict[str, t
 Trailer = tuple[int, int, int, int, int]  # (checksum, policy_version, sync_index, stream_id, bucket_index)
 
 
-def trailer_words(
+def trailers_bytes(
+    sums: list[torch.Tensor] | None,
+    ids: list[tuple[int, int]],
+    *,
+    policy_version: int,
+    sync_index: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """32-byte trailers, one per ``(stream_id, bucket_index)`` in ``ids``, as one uint8 tensor on
+    ``device`` (a stream's manifest, or one bucket's trailer). ``sums``: the buckets' ``checksum_tensor``
+    values (None: no checksum); they are stacked on the device, with no host sync per bucket."""
+    words = torch.tensor(
+        [[0, policy_version, sync_index, (stream_id << 32) | index] for stream_id, index in ids],
+        dtype=torch.int64,
+        device=device,
+    )
+    if sums:
+        words[:, 0] = torch.stack(sums)
+    return words.view(torch.uint8).reshape(-1)
+
+
+def write_trailer(
+    out_u8: torch.Tensor,
     payload_u8: torch.Tensor,
     *,
     stream_id: int,
@@ -155,22 +182,18 @@ def trailer_words(
     policy_version: int,
     sync_index: int,
     checksum: int,
-) -> list[int]:
-    """The four int64 words of ``payload_u8``'s trailer. ``checksum`` is the word stride of the checksum
-    (1: every word), 0 for none; its phase is ``sync_index % checksum``."""
-    total = bucket_checksum(payload_u8, checksum, sync_index) if checksum else 0
-    return [total, policy_version, sync_index, (stream_id << 32) | bucket_index]
-
-
-def write_trailer(out_u8: torch.Tensor, payload_u8: torch.Tensor, **stamp: int) -> None:
-    """Write the 32-byte trailer of ``payload_u8`` into ``out_u8`` (``stamp``: see ``trailer_words``)."""
-    words = torch.tensor(trailer_words(payload_u8, **stamp), dtype=torch.int64)
-    out_u8[:TRAILER_BYTES].view(torch.int64).copy_(words)
-
-
-def manifest_bytes(rows: list[list[int]], device: torch.device) -> torch.Tensor:
-    """Trailer words (one ``trailer_words`` row per bucket) as one uint8 message."""
-    return torch.tensor(rows, dtype=torch.int64, device=device).view(torch.uint8).reshape(-1)
+) -> None:
+    """Write the 32-byte trailer of ``payload_u8`` into ``out_u8``. ``checksum`` is the word stride of
+    the checksum (1: every word), 0 for none; its phase is ``sync_index % checksum``."""
+    sums = [checksum_tensor(payload_u8, checksum, sync_index)] if checksum else None
+    trailer = trailers_bytes(
+        sums,
+        [(stream_id, bucket_index)],
+        policy_version=policy_version,
+        sync_index=sync_index,
+        device=out_u8.device,
+    )
+    out_u8[:TRAILER_BYTES].copy_(trailer)
 
 
 def read_trailers(trailers_u8: torch.Tensor) -> list[Trailer]:
