@@ -30,6 +30,11 @@ class Block(torch.nn.Module):
         self.norm = torch.nn.Parameter(torch.randn(H))
         self.odd = torch.nn.Parameter(torch.randn(5, 3))  # 5 rows over 2 FSDP ranks: 3 + 2
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        attn = torch.cat([self.q(x), self.k(x), self.v(x)], dim=-1).sum(-1, keepdim=True)
+        mlp = self.down(torch.nn.functional.silu(self.gate(x)) * self.up(x))
+        return (x + attn + mlp) * self.norm + self.odd.sum()
+
 
 def engine_layout(tp_rank: int) -> DestLayout:
     """The engine's view (vLLM-like names): fused column-parallel qkv / gate_up, row-parallel down."""
@@ -99,6 +104,11 @@ def _worker(rank: int, world_size: int, rdv, source_kind: str, direct_min_bytes:
         # Several buckets per stream; with direct_min_bytes=0 every slice lands in place (row slices sent
         # from the shard's memory, column slices packed first), with >=2 buckets to a staging slot.
         sender = WeightSender(group, model, bucket_bytes=160, direct_min_bytes=direct_min_bytes)
+        if source_kind == "fsdp2":
+            # Sync after FSDP2's lazy init (its first forward), as a trainer does; uneven shards ("odd":
+            # 3 + 2 rows) are views of padded storage by then.
+            model(torch.randn(2, H))
+            model.reshard()  # the root keeps its parameters gathered after forward until told
         fulls = []
         for version in (1, 2):
             sender.send(version)
