@@ -233,3 +233,24 @@ def test_lower_precision_on_the_wire_end_to_end(wire: str) -> None:
     else:
         row_max = sent["w"].abs().amax(dim=1, keepdim=True)
         assert ((served["w"].float() - sent["w"]).abs() / row_max).max() <= 2**-4 + 2**-8
+
+
+def _strided_worker(rank: int, world_size: int, rdv):
+    group = _group(rank, world_size, rdv)
+    torch.manual_seed(0)
+    base = torch.randn(256, 300)
+    # A parameter that is a transposed view: its boxes are not runs of memory, whatever the plan says.
+    named = {"w_t": base.t(), "b": torch.randn(300)}
+    if rank == 0:
+        WeightSender(group, named, bucket_bytes=64 << 10, direct_min_bytes=0).send(4)
+        return {k: v.contiguous() for k, v in named.items()}
+    served = {"w_t": torch.zeros(300, 256), "b": torch.zeros(300)}
+    receiver = WeightReceiver(group, served)
+    assert receiver.receive() == 4
+    return served
+
+
+def test_a_strided_parameter_is_packed_and_arrives_bitwise() -> None:
+    sent, served = run_distributed(_strided_worker, 2, timeout_s=60)
+    for name in sent:
+        assert torch.equal(served[name], sent[name]), name

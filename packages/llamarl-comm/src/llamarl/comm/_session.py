@@ -302,7 +302,11 @@ class _Endpoint:
                     if payload is None:  # a column slice (or a non-contiguous tensor): pack it first
                         e = bucket.entries[0]
                         local, local_offsets = locals_[e.src_name]
-                        key, buf = source_slot(stream)
+                        if bucket.src_copy:
+                            key, buf = source_slot(stream)
+                        else:  # a parameter that is itself a strided view (rare): a buffer of its own
+                            key = (sid, -2 - bucket.index)  # never a slot or a forward key
+                            buf = torch.empty(_direct_len(bucket), dtype=torch.uint8, device=group.device)
                         payload = buf[: _direct_len(bucket)]
                         pack_entry(buf, e, local, local_offsets)
                         sends[key] = ([group.send(payload, dst, tag, bucket=bucket.index)], dst, bucket.index)
