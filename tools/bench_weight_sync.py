@@ -44,30 +44,34 @@ from llamarl.comm.testing import run_distributed
 DTYPE = torch.bfloat16
 
 
+# Llama-like configs: SmolLM2-135M's, and TinyLlama's shapes (~1.1B parameters).
+MODEL_CONFIGS = {
+    "smollm2-135m": {
+        "vocab": 49152,
+        "hidden": 576,
+        "inter": 1536,
+        "layers": 30,
+        "heads": 9,
+        "kv_heads": 3,
+        "tied": 1,
+    },
+    "synthetic-1b": {
+        "vocab": 32000,
+        "hidden": 2048,
+        "inter": 5632,
+        "layers": 22,
+        "heads": 32,
+        "kv_heads": 4,
+        "tied": 0,
+    },
+}
+
+
 def model_shapes(name: str) -> tuple[dict[str, tuple[int, ...]], dict[str, int]]:
     """Trainer (Hugging Face) parameter names and shapes of a Llama-like model, and its config."""
-    if name == "smollm2-135m":
-        cfg = {
-            "vocab": 49152,
-            "hidden": 576,
-            "inter": 1536,
-            "layers": 30,
-            "heads": 9,
-            "kv_heads": 3,
-            "tied": 1,
-        }
-    elif name == "synthetic-1b":
-        cfg = {
-            "vocab": 32000,
-            "hidden": 2048,
-            "inter": 5632,
-            "layers": 22,
-            "heads": 32,
-            "kv_heads": 4,
-            "tied": 0,
-        }
-    else:
-        raise ValueError(name)
+    if name not in MODEL_CONFIGS:
+        raise ValueError(f"unknown model {name!r}; choose from {sorted(MODEL_CONFIGS)}")
+    cfg = MODEL_CONFIGS[name]
     h, d = cfg["hidden"], cfg["hidden"] // cfg["heads"]
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg["vocab"], h)}
     for i in range(cfg["layers"]):
@@ -240,7 +244,8 @@ def _worker(
     # (b) Naive: one broadcast per parameter, whole, from rank 0 to every other rank. A sharded trainer
     # first gathers each parameter (DTensor.full_tensor, over its own group); a sharded engine receives
     # the whole parameter and keeps its slice (what an engine's weight loader does).
-    scratch = torch.empty(max(math.prod(s) for s in shapes.values()), dtype=DTYPE)
+    # Sharded sides receive each whole parameter into a staging tensor first.
+    scratch = torch.empty(max(math.prod(s) for s in shapes.values()) if num_src > 1 else 0, dtype=DTYPE)
 
     def naive() -> None:
         for name, shape in shapes.items():

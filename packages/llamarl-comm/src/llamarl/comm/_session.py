@@ -283,10 +283,14 @@ class _Endpoint:
                 local, local_offsets = locals_[e.src_name]
                 rel = tuple(o - lo for o, lo in zip(e.src_offsets, local_offsets, strict=True))
                 payload = box_bytes(local, rel, e.sizes)
-                if payload is not None:  # None: a non-contiguous tensor, packed in the loop below
-                    works = [group.send(payload, dst, _tag(stream, bucket), bucket=bucket.index)]
-                    loose.append((works, dst, bucket.index))
-                    in_flight[(stream.stream_id, bucket.index)] = payload
+                if payload is None:
+                    raise WeightSyncError(
+                        f"rank {self.rank}: {e.src_name} is no longer contiguous in memory; its layout was "
+                        "read when the sender was built (build a new sender after replacing parameters)"
+                    )
+                works = [group.send(payload, dst, _tag(stream, bucket), bucket=bucket.index)]
+                loose.append((works, dst, bucket.index))
+                in_flight[(stream.stream_id, bucket.index)] = payload
 
         for stream, bucket in schedule:
             sid, tag = stream.stream_id, _tag(stream, bucket)
@@ -299,14 +303,10 @@ class _Endpoint:
                     if bucket.index == 0:
                         manifest_sums[sid] = []
                     payload = in_flight.pop((sid, bucket.index), None)
-                    if payload is None:  # a column slice (or a non-contiguous tensor): pack it first
+                    if payload is None:  # a column slice, or a box of a strided tensor: pack it first
                         e = bucket.entries[0]
                         local, local_offsets = locals_[e.src_name]
-                        if bucket.src_copy:
-                            key, buf = source_slot(stream)
-                        else:  # a parameter that is itself a strided view (rare): a buffer of its own
-                            key = (sid, -2 - bucket.index)  # never a slot or a forward key
-                            buf = torch.empty(_direct_len(bucket), dtype=torch.uint8, device=group.device)
+                        key, buf = source_slot(stream)
                         payload = buf[: _direct_len(bucket)]
                         pack_entry(buf, e, local, local_offsets)
                         sends[key] = ([group.send(payload, dst, tag, bucket=bucket.index)], dst, bucket.index)

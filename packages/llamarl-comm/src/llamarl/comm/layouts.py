@@ -72,6 +72,7 @@ class SourceTensor:
     dtype: str  # torch dtype name, e.g. "bfloat16"
     offsets: Shape  # where the local box starts in the full parameter
     sizes: Shape  # the local box's shape (== the local tensor's shape)
+    contiguous: bool = True  # False: the local tensor is a strided view, its boxes are always packed
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,6 +127,7 @@ class SourceLayout:
                 dtype=t["dtype"],
                 offsets=tuple(t["offsets"]),
                 sizes=tuple(t["sizes"]),
+                contiguous=bool(t.get("contiguous", True)),
             )
         return cls(
             tensors=tensors,
@@ -250,6 +252,7 @@ def source_layout(
             dtype=dtype_to_str(tensor.dtype),
             offsets=offsets,
             sizes=sizes,
+            contiguous=local_t.is_contiguous(),
         )
         local[name] = local_t
     return layout, local

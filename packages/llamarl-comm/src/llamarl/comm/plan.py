@@ -208,6 +208,7 @@ class _Cell:
     dst_offsets: Shape
     src_local_offsets: Shape  # the holder's box in the full parameter
     src_local_sizes: Shape  # the holder's local tensor shape
+    src_local_contiguous: bool  # whether the holder's local tensor is contiguous at all
     dst_shape: Shape  # the destination tensor's local shape
     dst_dtype: str
 
@@ -233,7 +234,7 @@ def _is_direct(cell: _Cell, wire: str, min_bytes: int) -> bool:
 def _src_contiguous(cell: _Cell, sizes: Shape) -> bool:
     """Whether a box of ``sizes`` cut from a cell is one run of memory in its source's local tensor
     (then it is sent from there)."""
-    return is_contiguous_box(cell.src_offsets, sizes, cell.src_local_sizes)
+    return cell.src_local_contiguous and is_contiguous_box(cell.src_offsets, sizes, cell.src_local_sizes)
 
 
 def _box_contains(outer_off: Shape, outer_sz: Shape, off: Shape, sz: Shape) -> bool:
@@ -419,11 +420,13 @@ def make_plan(
     if set(sources) & set(dests):
         raise PlanError(f"ranks {sorted(set(sources) & set(dests))} are both source and destination")
     meta, wire_dtype = _check_sources(sources)
+    contiguous: dict[tuple[int, str], bool] = {}  # (source rank, name) -> local tensor contiguous
     holders_by_name: dict[str, list[tuple[int, Shape, Shape]]] = {}
     for rank, layout in sorted(sources.items()):
         for t in layout.tensors.values():
             if math.prod(t.sizes) > 0:
                 holders_by_name.setdefault(t.name, []).append((rank, t.offsets, t.sizes))
+                contiguous[(rank, t.name)] = t.contiguous
 
     # 1. Replica classes: destination ranks with identical layouts.
     classes: dict[str, list[int]] = {}
@@ -490,6 +493,7 @@ def make_plan(
                             dst_off,
                             src_local_offsets=holder_box[src][0],
                             src_local_sizes=holder_box[src][1],
+                            src_local_contiguous=contiguous[(src, p.src_name)],
                             dst_shape=t.shape,
                             dst_dtype=t.dtype,
                         )
