@@ -6,8 +6,14 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO.parent / "shared" / "data"
+
+def _shared_data() -> Path:
+    from llamarl.exec.testing import shared_data_dir
+
+    try:
+        return shared_data_dir(__file__)
+    except FileNotFoundError as exc:
+        pytest.fail(str(exc))
 
 
 @pytest.fixture(scope="session")
@@ -42,7 +48,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def gsm8k_dir() -> Path:
-    path = SHARED_DATA / "gsm8k"
+    path = _shared_data() / "gsm8k"
     if not (path / "train.jsonl").is_file():
         pytest.fail(f"the shared GSM8K copy is missing at {path}")
     return path
@@ -50,7 +56,7 @@ def gsm8k_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def math_dir() -> Path:
-    path = SHARED_DATA / "math"
+    path = _shared_data() / "math"
     if not (path / "train.jsonl").is_file():
         pytest.fail(f"the shared MATH copy is missing at {path}")
     return path

@@ -4,24 +4,29 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 
 from llamarl.control.tasks import GSM8K, MATH, DataError, load_examples
+from llamarl.exec.testing import shared_data_dir
 
-SHARED_DATA = Path(__file__).resolve().parents[3].parent / "shared" / "data"
+
+def _shared(name: str) -> str:
+    try:
+        return str(shared_data_dir(__file__) / name)
+    except FileNotFoundError as exc:
+        pytest.fail(str(exc))
 
 
 def test_loads_local_gsm8k_with_references():
-    examples = load_examples(GSM8K, str(SHARED_DATA / "gsm8k"), "test")
+    examples = load_examples(GSM8K, _shared("gsm8k"), "test")
     assert len(examples) == 1319
     assert all("####" in e.reference for e in examples)
     assert examples[0].question.startswith("Janet")
 
 
 def test_loads_local_math_answer_column():
-    examples = load_examples(MATH, str(SHARED_DATA / "math"), "test")
+    examples = load_examples(MATH, _shared("math"), "test")
     assert len(examples) == 5000
     assert all(e.reference for e in examples)
 
@@ -77,5 +82,5 @@ def test_a_file_of_only_unusable_rows_is_an_error(tmp_path):
 
 def test_shared_math_copy_loads_despite_its_empty_answer_rows(caplog):
     with caplog.at_level("WARNING"):
-        assert len(load_examples(MATH, str(SHARED_DATA / "math"), "train")) == 7496
+        assert len(load_examples(MATH, _shared("math"), "train")) == 7496
     assert "skipped 2 row(s)" in caplog.text

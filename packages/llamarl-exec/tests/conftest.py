@@ -9,9 +9,7 @@ import pytest
 import torch
 
 from llamarl.exec.models import tiny_model
-from llamarl.exec.testing import TINY_EOS_TOKEN_ID, TINY_PAD_TOKEN_ID, TINY_VOCAB_SIZE
-
-SHARED_DATA = Path(__file__).resolve().parents[4] / "shared" / "data"
+from llamarl.exec.testing import TINY_EOS_TOKEN_ID, TINY_PAD_TOKEN_ID, TINY_VOCAB_SIZE, shared_data_dir
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -38,7 +36,10 @@ def shared_rows():
 
 
 def _read_jsonl(relative: str, count: int) -> list[dict]:
-    path = SHARED_DATA / relative
+    try:
+        path = shared_data_dir(__file__) / relative
+    except FileNotFoundError as exc:
+        pytest.fail(str(exc))
     if not path.is_file():
         pytest.fail(f"the shared data file {path} is missing")
     rows = []

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 TINY_VOCAB_SIZE = 64
 TINY_EOS_TOKEN_ID = 2
@@ -26,3 +27,20 @@ def failing_reward(completion: str, reference: str) -> float:
     if completion == "die":
         os._exit(3)
     return 1.0
+
+
+def shared_data_dir(start: str | os.PathLike[str]) -> Path:
+    """The local copies of GSM8K / MATH / MATH-500 the tests read: ``$LLAMARL_DATA_DIR`` if set, else the
+    first ``shared/data`` folder beside ``start`` or one of its parents (the workspace keeps it beside
+    the checkout). Raises FileNotFoundError, saying how to point at it, when there is none."""
+    override = os.environ.get("LLAMARL_DATA_DIR")
+    if override:
+        return Path(override)
+    for folder in Path(start).resolve().parents:
+        candidate = folder / "shared" / "data"
+        if candidate.is_dir():
+            return candidate
+    raise FileNotFoundError(
+        f"no shared/data folder beside {start} or its parents; set LLAMARL_DATA_DIR to the folder holding "
+        "gsm8k/ and math/ (train.jsonl, test.jsonl)"
+    )
