@@ -58,6 +58,9 @@ def _sync_worker(rank: int, world_size: int, rdv, bucket_bytes: int):
             with torch.no_grad():  # the optimizer would do this between syncs
                 for p in model.parameters():
                     p.add_(1.0)
+                # and a parameter may move to new memory (``.data`` swapped, as FSDP2 does with shards):
+                # the sender's cached views of the old memory must not be sent
+                model.big.weight.data = model.big.weight.data * 2.0
         time.sleep(0.5)  # hosts the store: let receivers publish their held versions
         held = sender.held_versions()
         assert held == {1: 4, 2: 4}, held

@@ -26,16 +26,15 @@ import torch
 
 from llamarl.comm.buckets import (
     TRAILER_BYTES,
+    BucketCopies,
     Trailer,
     box_bytes,
+    bucket_packer,
+    bucket_unpacker,
     checksum_tensor,
-    pack_bucket,
-    pack_entry,
     read_trailer,
     read_trailers,
     trailers_bytes,
-    unpack_bucket,
-    unpack_entry,
     write_trailer,
 )
 from llamarl.comm.layouts import DestLayout, SourceLayout, dtype_from_str
@@ -92,6 +91,12 @@ class _Endpoint:
         self._sync_index = 0  # index of the last sync this rank took part in (or skipped)
         self.rejoining = False  # a restarted receiver skips syncs on generations formed without it
         self._buffers: dict[tuple[int, int], torch.Tensor] = {}
+        # Views a sync reuses (payloads, pack/unpack copies), built on first use: into this rank's
+        # staging buffers and destination tensors (until the next replan), and into the source's local
+        # tensors (until one of them moves: see _source_views).
+        self._views: dict[tuple[Any, ...], Any] = {}
+        self._src_views: dict[tuple[Any, ...], Any] = {}
+        self._src_key: tuple[tuple[int, tuple[int, ...]], ...] | None = None
         group.put(f"layout/{self.rank}", layout.to_json())
 
     # ----------------------------------------------------------------------------------------------
@@ -128,6 +133,8 @@ class _Endpoint:
             raise WeightSyncError(f"rank {self.rank}: weight layouts do not match: {exc}") from exc
         self.checksum = int(first.checksum) if first else 1
         self._buffers.clear()
+        self._views.clear()
+        self._src_views.clear()
         return self.plan
 
     def _form(self, generation: int) -> None:
@@ -153,9 +160,64 @@ class _Endpoint:
             self._buffers[key] = buf
         return buf
 
+    def _source_views(self, locals_: dict[str, tuple[torch.Tensor, tuple[int, ...]]]) -> dict[Any, Any]:
+        """The cache of views into the source's local tensors, emptied when any of them moved (FSDP2 may
+        swap a shard). A cached view keeps its tensor's memory alive, so an unchanged address means the
+        same memory."""
+        key = tuple((t.data_ptr(), t.stride()) for t, _ in locals_.values())
+        if key != self._src_key:
+            self._src_views.clear()
+            self._src_key = key
+        return self._src_views
+
     def _manifest(self, stream: Stream) -> torch.Tensor:
         """The trailers of ``stream``'s direct buckets, one 32-byte row each."""
         return torch.zeros(stream.num_direct * TRAILER_BYTES, dtype=torch.uint8, device=self.group.device)
+
+    def _direct_source(
+        self, bucket: Bucket, locals_: dict[str, tuple[torch.Tensor, tuple[int, ...]]]
+    ) -> torch.Tensor:
+        """A direct bucket's bytes in the source's local tensor, sent from there."""
+        e = bucket.entries[0]
+        local, local_offsets = locals_[e.src_name]
+        rel = tuple(o - lo for o, lo in zip(e.src_offsets, local_offsets, strict=True))
+        payload = box_bytes(local, rel, e.sizes)
+        if payload is None:
+            raise WeightSyncError(
+                f"rank {self.rank}: {e.src_name} is no longer contiguous in memory; its layout was "
+                "read when the sender was built (build a new sender after replacing parameters)"
+            )
+        return payload
+
+    def _direct_target(
+        self, stream: Stream, bucket: Bucket, dst_tensors: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, BucketCopies | None]:
+        """Where a direct bucket lands: its box in the destination tensor, or (a destination that is
+        not contiguous) a buffer of its own, with the copies that move it into place."""
+        key = ("recv", stream.stream_id, bucket.index)
+        target = self._views.get(key)
+        if target is None:
+            e = bucket.entries[0]
+            payload = box_bytes(dst_tensors[e.dst_name], e.dst_offsets, e.sizes)
+            unpack = None
+            if payload is None:
+                payload = torch.empty(_direct_len(bucket), dtype=torch.uint8, device=self.group.device)
+                unpack = bucket_unpacker(payload, bucket, dst_tensors)
+            target = self._views[key] = (payload, unpack)
+        return target
+
+    def _packed_target(
+        self, stream: Stream, bucket: Bucket, dst_tensors: dict[str, torch.Tensor] | None
+    ) -> tuple[torch.Tensor, BucketCopies]:
+        """Where a packed bucket lands (its staging slot, trailer included) and the copies that unpack it."""
+        assert dst_tensors is not None
+        key = ("recv", stream.stream_id, bucket.index)
+        target = self._views.get(key)
+        if target is None:
+            staged = self._buffer(stream, (bucket.index - stream.num_direct) % NUM_SLOTS)
+            payload = staged[: bucket.payload_bytes + TRAILER_BYTES]
+            target = self._views[key] = (payload, bucket_unpacker(staged, bucket, dst_tensors))
+        return target
 
     # ----------------------------------------------------------------------------------------------
     # One sync
@@ -186,10 +248,11 @@ class _Endpoint:
         # (stream, slot) -> (works, peer, bucket): a slot's send, waited before the slot is reused
         sends: dict[tuple[int, int], tuple[list[Any], int, int]] = {}
         loose: list[tuple[list[Any], int, int]] = []  # sends from tensors' memory: waited at the end
-        recvs: dict[tuple[int, int], tuple[list[Any], torch.Tensor, torch.Tensor | None]] = {}
+        # (stream, bucket) -> (receive, where it lands, the copies that unpack it if any)
+        recvs: dict[tuple[int, int], tuple[list[Any], torch.Tensor, BucketCopies | None]] = {}
         manifests: dict[int, tuple[list[Any], torch.Tensor]] = {}  # stream -> (receive, manifest)
         manifest_sums: dict[int, list[torch.Tensor]] = {}  # stream -> checksums of its direct buckets
-        received_direct: dict[int, list[torch.Tensor]] = {}  # stream -> payloads awaiting the manifest
+        received_direct: dict[int, list[torch.Tensor]] = {}  # stream -> checksums awaiting the manifest
         slot_uses: dict[int, int] = {}  # stream -> staging buffers used so far on this (source) rank
         next_post: dict[int, int] = {}  # stream -> next bucket index to post a receive for
         total_bytes = 0
@@ -212,6 +275,15 @@ class _Endpoint:
             wait_send(key)
             return key, self._buffer(stream, key[1])
 
+        def pack(stream: Stream, bucket: Bucket, slot: int, buf: torch.Tensor) -> None:
+            """Pack ``bucket`` into staging slot ``slot`` (copies built on first use, then replayed)."""
+            assert locals_ is not None
+            key = ("pack", stream.stream_id, bucket.index, slot)
+            copies = src_views.get(key)
+            if copies is None:
+                copies = src_views[key] = bucket_packer(buf, bucket, locals_)
+            copies.run()
+
         def post_recvs(stream: Stream, processed: int) -> None:
             """Post receives ahead: every direct one, packed ones as their slots free up."""
             nd = stream.num_direct
@@ -226,20 +298,13 @@ class _Endpoint:
                 tag = _tag(stream, bucket)
                 if bucket.direct:
                     assert dst_tensors is not None
-                    e = bucket.entries[0]
-                    staged = None
-                    payload = box_bytes(dst_tensors[e.dst_name], e.dst_offsets, e.sizes)
-                    if payload is None:  # destination not contiguous: land in a buffer of its own, then copy
-                        staged = torch.empty(_direct_len(bucket), dtype=torch.uint8, device=group.device)
-                        payload = staged
-                    works = [group.recv(payload, peer, tag, bucket=bucket.index)]
+                    payload, unpack = self._direct_target(stream, bucket, dst_tensors)
                 else:
                     if i - nd >= max(0, processed - nd) + NUM_SLOTS:
                         break  # its staging slot still holds an earlier bucket
-                    staged = self._buffer(stream, (i - nd) % NUM_SLOTS)
-                    payload = staged[: bucket.payload_bytes + TRAILER_BYTES]
-                    works = [group.recv(payload, peer, tag, bucket=bucket.index)]
-                recvs[(stream.stream_id, i)] = (works, payload, staged)
+                    payload, unpack = self._packed_target(stream, bucket, dst_tensors)
+                works = [group.recv(payload, peer, tag, bucket=bucket.index)]
+                recvs[(stream.stream_id, i)] = (works, payload, unpack)
                 i += 1
             next_post[stream.stream_id] = i
 
@@ -267,9 +332,15 @@ class _Endpoint:
             if pending is not None:
                 wait_all(pending[0], pending[1], 0, "waiting for the receiver to post its receives")
 
+        def checksum(payload: torch.Tensor) -> torch.Tensor | None:
+            # Taken right after a payload was written or read (sent, packed, received) while its bytes
+            # are still in cache: later, summing a spot-check stride reads DRAM as much as a copy does.
+            return checksum_tensor(payload, self.checksum, sync_index) if self.checksum else None
+
         # A source starts every send straight from its tensors' memory at once, so those bytes flow
-        # while it packs the rest; it checksums them in schedule order below.
-        in_flight: dict[tuple[int, int], torch.Tensor] = {}  # (stream, bucket) -> payload being sent
+        # while it packs the rest.
+        in_flight: dict[tuple[int, int], torch.Tensor | None] = {}  # (stream, bucket) -> its checksum
+        src_views = self._source_views(locals_) if locals_ is not None else {}
         for stream in plan.streams:
             if stream.src != self.rank:
                 continue
@@ -279,18 +350,13 @@ class _Endpoint:
             for bucket in stream.buckets:
                 if not bucket.direct or bucket.src_copy:
                     continue
-                e = bucket.entries[0]
-                local, local_offsets = locals_[e.src_name]
-                rel = tuple(o - lo for o, lo in zip(e.src_offsets, local_offsets, strict=True))
-                payload = box_bytes(local, rel, e.sizes)
+                payload = src_views.get(("send", stream.stream_id, bucket.index))
                 if payload is None:
-                    raise WeightSyncError(
-                        f"rank {self.rank}: {e.src_name} is no longer contiguous in memory; its layout was "
-                        "read when the sender was built (build a new sender after replacing parameters)"
-                    )
+                    payload = self._direct_source(bucket, locals_)
+                    src_views[("send", stream.stream_id, bucket.index)] = payload
                 works = [group.send(payload, dst, _tag(stream, bucket), bucket=bucket.index)]
                 loose.append((works, dst, bucket.index))
-                in_flight[(stream.stream_id, bucket.index)] = payload
+                in_flight[(stream.stream_id, bucket.index)] = checksum(payload)
 
         for stream, bucket in schedule:
             sid, tag = stream.stream_id, _tag(stream, bucket)
@@ -302,16 +368,16 @@ class _Endpoint:
                 if bucket.direct:
                     if bucket.index == 0:
                         manifest_sums[sid] = []
-                    payload = in_flight.pop((sid, bucket.index), None)
-                    if payload is None:  # a column slice, or a box of a strided tensor: pack it first
-                        e = bucket.entries[0]
-                        local, local_offsets = locals_[e.src_name]
+                    if (sid, bucket.index) in in_flight:
+                        bucket_sum = in_flight.pop((sid, bucket.index))
+                    else:  # a column slice, or a box of a strided tensor: pack it first
                         key, buf = source_slot(stream)
                         payload = buf[: _direct_len(bucket)]
-                        pack_entry(buf, e, local, local_offsets)
+                        pack(stream, bucket, key[1], buf)
                         sends[key] = ([group.send(payload, dst, tag, bucket=bucket.index)], dst, bucket.index)
-                    if self.checksum:  # now, before a staging slot is reused; on the device, no sync
-                        manifest_sums[sid].append(checksum_tensor(payload, self.checksum, sync_index))
+                        bucket_sum = checksum(payload)  # before the staging slot is reused
+                    if bucket_sum is not None:  # a 0-d tensor: on a GPU, no host sync per bucket
+                        manifest_sums[sid].append(bucket_sum)
                     if last_direct:
                         manifest = trailers_bytes(
                             manifest_sums.pop(sid),
@@ -325,7 +391,7 @@ class _Endpoint:
                 else:
                     key, buf = source_slot(stream)
                     n = bucket.payload_bytes
-                    pack_bucket(buf, bucket, locals_)
+                    pack(stream, bucket, key[1], buf)
                     write_trailer(buf[n:], buf[:n], **ids, **stamp)
                     works = [group.send(buf[: n + TRAILER_BYTES], dst, tag, bucket=bucket.index)]
                     sends[key] = (works, dst, bucket.index)
@@ -333,7 +399,7 @@ class _Endpoint:
                 assert dst_tensors is not None
                 upstream = stream.upstream(self.rank)
                 downstream = stream.downstream(self.rank)
-                works, payload, staged = recvs.pop((sid, bucket.index))
+                works, payload, unpack = recvs.pop((sid, bucket.index))
                 wait_all(works, upstream, bucket.index, "receiving weights")
                 if downstream is not None:
                     await_ready(stream)
@@ -341,9 +407,9 @@ class _Endpoint:
                     if downstream is not None:  # forward first: the next replica receives while we go on
                         fwd = [group.send(payload, downstream, tag, bucket=bucket.index)]
                         loose.append((fwd, downstream, bucket.index))
-                    if staged is not None:
-                        unpack_entry(staged, bucket.entries[0], dst_tensors[bucket.entries[0].dst_name])
-                    received_direct.setdefault(sid, []).append(payload)
+                    if unpack is not None:  # landed in a buffer of its own
+                        unpack.run()
+                    received_direct.setdefault(sid, []).append(checksum(payload))
                     if last_direct:
                         m_works, manifest = manifests.pop(sid)
                         wait_all(m_works, upstream, bucket.index, "receiving the manifest")
@@ -358,10 +424,10 @@ class _Endpoint:
                         self._verify(got, trailers, direct, stream, upstream, policy_version, sync_index)
                 else:
                     n = bucket.payload_bytes
-                    assert staged is not None
+                    assert unpack is not None
                     self._verify(
-                        [staged[:n]],
-                        [read_trailer(staged[n : n + TRAILER_BYTES])],
+                        [checksum(payload[:n])],
+                        [read_trailer(payload[n : n + TRAILER_BYTES])],
                         [bucket],
                         stream,
                         upstream,
@@ -369,9 +435,9 @@ class _Endpoint:
                         sync_index,
                     )
                     if downstream is not None:
-                        fwd = [group.send(staged[: n + TRAILER_BYTES], downstream, tag, bucket=bucket.index)]
+                        fwd = [group.send(payload, downstream, tag, bucket=bucket.index)]
                         sends[(sid, -1)] = (fwd, downstream, bucket.index)
-                    unpack_bucket(staged, bucket, dst_tensors)
+                    unpack.run()
                     wait_send((sid, -1))  # a packed forward must finish before its slot is reused
                 post_recvs(stream, bucket.index + 1)
             total_bytes += bucket.payload_bytes
@@ -383,7 +449,7 @@ class _Endpoint:
 
     def _verify(
         self,
-        payloads: list[torch.Tensor],
+        sums: list[torch.Tensor | None],
         trailers: list[Trailer],
         buckets: list[Bucket] | tuple[Bucket, ...],
         stream: Stream,
@@ -391,8 +457,8 @@ class _Endpoint:
         policy_version: int,
         sync_index: int,
     ) -> None:
-        """Check received buckets against their trailers: ids and versions, then checksums (computed on
-        the device and read back once for all of them)."""
+        """Check received buckets against their trailers: ids and versions, then the checksums computed
+        on arrival (0-d tensors on the device, read back once for all of them; None: checksums off)."""
         want = (policy_version, sync_index, stream.stream_id)
         for bucket, (_, *got) in zip(buckets, trailers, strict=True):
             if tuple(got) != (*want, bucket.index):
@@ -405,8 +471,8 @@ class _Endpoint:
                 )
         if not self.checksum:
             return
-        sums = torch.stack([checksum_tensor(p, self.checksum, sync_index) for p in payloads]).tolist()
-        for bucket, computed, trailer in zip(buckets, sums, trailers, strict=True):
+        computed_sums = torch.stack(sums).tolist()  # type: ignore[arg-type]  # all set when checksums are on
+        for bucket, computed, trailer in zip(buckets, computed_sums, trailers, strict=True):
             if computed != trailer[0]:
                 raise WeightSyncError(
                     f"rank {self.rank}: checksum mismatch in bucket {bucket.index} of stream "

@@ -15,7 +15,9 @@ hold ``sizes[0]`` float32 scales (one per leading row: ``amax(|row|) / 448``) th
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -25,9 +27,12 @@ from llamarl.comm.plan import BF16, FP8, Bucket, Entry
 __all__ = [
     "FP8_MAX",
     "TRAILER_BYTES",
+    "BucketCopies",
     "Trailer",
     "box_bytes",
     "bucket_checksum",
+    "bucket_packer",
+    "bucket_unpacker",
     "checksum_tensor",
     "pack_bucket",
     "read_trailer",
@@ -60,10 +65,10 @@ def checksum_tensor(payload_u8: torch.Tensor, stride: int = 1, phase: int = 0) -
         payload_u8 = payload_u8.clone()
     n = payload_u8.numel()
     whole = n - n % 8
-    total = torch.zeros((), dtype=torch.int64, device=payload_u8.device)
-    if whole:
-        words = payload_u8[:whole].view(torch.int64)
-        total = words.sum() if stride <= 1 else words[phase % stride :: stride].sum() + words[-1]
+    if not whole:
+        return payload_u8.sum(dtype=torch.int64)
+    words = payload_u8[:whole].view(torch.int64)
+    total = words.sum() if stride <= 1 else words[phase % stride :: stride].sum() + words[-1]
     if whole != n:
         total = total + payload_u8[whole:].sum(dtype=torch.int64)
     return total
@@ -87,49 +92,100 @@ def _fp8_rows(sizes: tuple[int, ...]) -> int:
     return sizes[0] if sizes else 1
 
 
-def pack_entry(
-    buf_u8: torch.Tensor, entry: Entry, local: torch.Tensor, local_offsets: tuple[int, ...]
-) -> None:
-    """Copy ``entry``'s box out of ``local`` (a source rank's tensor whose box starts at ``local_offsets``
-    in the full parameter) into the bucket, casting for the wire."""
-    region = local[
+class BucketCopies:
+    """The copies that pack one bucket into a staging buffer, or unpack it, as prebuilt views.
+
+    Slicing out a box and viewing the buffer as its dtype costs more Python time than copying a small
+    box; a sync repeats the same copies between the same memory, so the views are built once and each
+    sync replays them: one ``copy_`` per entry (fp8 entries, which compute scales, run their own code).
+    """
+
+    def __init__(self) -> None:
+        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (to, from): a plain copy or a cast
+        self.calls: list[Callable[[], None]] = []  # entries that are more than a copy (fp8)
+
+    def run(self) -> None:
+        for to, from_ in self.pairs:
+            to.copy_(from_)
+        for call in self.calls:
+            call()
+
+
+def _source_region(entry: Entry, local: torch.Tensor, local_offsets: tuple[int, ...]) -> torch.Tensor:
+    return local[
         _box(tuple(o - lo for o, lo in zip(entry.src_offsets, local_offsets, strict=True)), entry.sizes)
     ]
-    numel = math.prod(entry.sizes)
-    at = entry.byte_offset
+
+
+def _wire_view(buf_u8: torch.Tensor, entry: Entry) -> torch.Tensor:
+    """``entry``'s box in the bucket, as its wire dtype (raw or bf16 entries)."""
     if entry.wire == "raw":
         dtype = dtype_from_str(entry.src_dtype)
-        buf_u8[at : at + numel * dtype.itemsize].view(dtype).view(entry.sizes).copy_(region)
     elif entry.wire == BF16:
-        buf_u8[at : at + numel * 2].view(torch.bfloat16).view(entry.sizes).copy_(region)
-    elif entry.wire == FP8:
-        rows = _fp8_rows(entry.sizes)
-        rows_x = region.reshape(rows, -1).float()
-        scale_r = (rows_x.abs().amax(dim=1) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
-        buf_u8[at : at + 4 * rows].view(torch.float32).copy_(scale_r)
-        data = buf_u8[at + 4 * rows : at + 4 * rows + numel].view(torch.float8_e4m3fn).view(rows, -1)
-        data.copy_((rows_x / scale_r[:, None]).clamp_(-FP8_MAX, FP8_MAX))
+        dtype = torch.bfloat16
     else:
+        raise ValueError(f"wire kind {entry.wire!r} is not a plain view")
+    at = entry.byte_offset
+    return buf_u8[at : at + math.prod(entry.sizes) * dtype.itemsize].view(dtype).view(entry.sizes)
+
+
+def _fp8_views(buf_u8: torch.Tensor, entry: Entry) -> tuple[torch.Tensor, torch.Tensor]:
+    """``entry``'s float32 row scales ``[rows]`` and fp8 values ``[rows, rest]`` in the bucket."""
+    rows, at = _fp8_rows(entry.sizes), entry.byte_offset
+    scales = buf_u8[at : at + 4 * rows].view(torch.float32)
+    values = buf_u8[at + 4 * rows : at + 4 * rows + math.prod(entry.sizes)].view(torch.float8_e4m3fn)
+    return scales, values.view(rows, -1)
+
+
+def _pack_fp8(scales: torch.Tensor, values: torch.Tensor, region: torch.Tensor) -> None:
+    rows_x = region.reshape(values.shape[0], -1).float()
+    scale_r = (rows_x.abs().amax(dim=1) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    scales.copy_(scale_r)
+    values.copy_((rows_x / scale_r[:, None]).clamp_(-FP8_MAX, FP8_MAX))
+
+
+def _unpack_fp8(target: torch.Tensor, scales: torch.Tensor, values: torch.Tensor) -> None:
+    target.copy_((values.float() * scales[:, None]).view(target.shape))
+
+
+def _check_wire(entry: Entry) -> None:
+    if entry.wire not in ("raw", BF16, FP8):
         raise ValueError(f"unknown wire kind {entry.wire!r}")
 
 
-def unpack_entry(buf_u8: torch.Tensor, entry: Entry, dst: torch.Tensor) -> None:
-    """Copy ``entry``'s box from the bucket into the local destination tensor ``dst``, in place."""
-    target = dst[_box(entry.dst_offsets, entry.sizes)]
-    numel = math.prod(entry.sizes)
-    at = entry.byte_offset
-    if entry.wire == "raw":
-        dtype = dtype_from_str(entry.src_dtype)
-        target.copy_(buf_u8[at : at + numel * dtype.itemsize].view(dtype).view(entry.sizes))
-    elif entry.wire == BF16:
-        target.copy_(buf_u8[at : at + numel * 2].view(torch.bfloat16).view(entry.sizes))
-    elif entry.wire == FP8:
-        rows = _fp8_rows(entry.sizes)
-        scale_r = buf_u8[at : at + 4 * rows].view(torch.float32)
-        data = buf_u8[at + 4 * rows : at + 4 * rows + numel].view(torch.float8_e4m3fn).view(rows, -1)
-        target.copy_((data.float() * scale_r[:, None]).view(entry.sizes))
-    else:
-        raise ValueError(f"unknown wire kind {entry.wire!r}")
+def bucket_packer(
+    buf_u8: torch.Tensor,
+    bucket: Bucket,
+    locals_: dict[str, tuple[torch.Tensor, tuple[int, ...]]],
+) -> BucketCopies:
+    """The copies that fill ``buf_u8[:bucket.payload_bytes]`` from the source's ``{name: (local tensor,
+    box offsets)}``, casting for the wire. Valid while those tensors and the buffer stay in place."""
+    copies = BucketCopies()
+    for entry in bucket.entries:
+        _check_wire(entry)
+        local, offsets = locals_[entry.src_name]
+        region = _source_region(entry, local, offsets)
+        if entry.wire == FP8:
+            copies.calls.append(functools.partial(_pack_fp8, *_fp8_views(buf_u8, entry), region))
+        else:
+            copies.pairs.append((_wire_view(buf_u8, entry), region))
+    return copies
+
+
+def bucket_unpacker(
+    buf_u8: torch.Tensor, bucket: Bucket, dst_tensors: dict[str, torch.Tensor]
+) -> BucketCopies:
+    """The copies that scatter a received bucket in ``buf_u8`` into the destination tensors ``{engine
+    name: local tensor}``, in place. Valid while those tensors and the buffer stay in place."""
+    copies = BucketCopies()
+    for entry in bucket.entries:
+        _check_wire(entry)
+        target = dst_tensors[entry.dst_name][_box(entry.dst_offsets, entry.sizes)]
+        if entry.wire == FP8:
+            copies.calls.append(functools.partial(_unpack_fp8, target, *_fp8_views(buf_u8, entry)))
+        else:
+            copies.pairs.append((target, _wire_view(buf_u8, entry)))
+    return copies
 
 
 def pack_bucket(
@@ -138,15 +194,12 @@ def pack_bucket(
     locals_: dict[str, tuple[torch.Tensor, tuple[int, ...]]],
 ) -> None:
     """Fill ``buf_u8[:bucket.payload_bytes]`` from the source's ``{name: (local tensor, box offsets)}``."""
-    for entry in bucket.entries:
-        local, offsets = locals_[entry.src_name]
-        pack_entry(buf_u8, entry, local, offsets)
+    bucket_packer(buf_u8, bucket, locals_).run()
 
 
 def unpack_bucket(buf_u8: torch.Tensor, bucket: Bucket, dst_tensors: dict[str, torch.Tensor]) -> None:
     """Scatter a received bucket into the destination tensors ``{engine name: local tensor}``."""
-    for entry in bucket.entries:
-        unpack_entry(buf_u8, entry, dst_tensors[entry.dst_name])
+    bucket_unpacker(buf_u8, bucket, dst_tensors).run()
 
 
 Trailer = tuple[int, int, int, int, int]  # (checksum, policy_version, sync_index, stream_id, bucket_index)
