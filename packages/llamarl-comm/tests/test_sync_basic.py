@@ -140,6 +140,43 @@ def test_manifest_mismatch_fails_clearly() -> None:
         assert "'w'" in message and "(4, 4)" in message, message
 
 
+def _corrupt_worker(rank: int, world_size: int, rdv, direct_min_bytes: int):
+    group = _group(rank, world_size, rdv, timeout_s=10.0)
+    torch.manual_seed(0)
+    named = {"w": torch.randn(256, 256), "b": torch.randn(64)}
+    if rank == 0:
+        from llamarl.comm import buckets
+
+        # Fault injection on the sending side: every checksum it sends is off by one, so the bytes
+        # that arrive disagree with their trailer exactly as a torn or corrupted transfer would.
+        honest = buckets.Checksummer.__call__
+        buckets.Checksummer.__call__ = lambda self, phase=0: honest(self, phase) + 1
+        sender = WeightSender(group, named, bucket_bytes=64 << 10, direct_min_bytes=direct_min_bytes)
+        try:
+            sender.send(1)
+            blamed = None
+        except WeightSyncError as exc:  # the receiver refused an early bucket and dropped the group
+            blamed = exc.peer
+        group.get("test/receiver-done", timeout_s=30)  # host the store until the receiver is done
+        return blamed
+    receiver = WeightReceiver(group, {k: torch.zeros_like(v) for k, v in named.items()})
+    try:
+        receiver.receive()
+    except WeightSyncError as exc:
+        return {"peer": exc.peer, "bucket": exc.bucket, "message": str(exc), "held": receiver.policy_version}
+    finally:
+        group.put("test/receiver-done", True)
+    raise AssertionError("buckets whose checksums disagree with their bytes were accepted")
+
+
+@pytest.mark.parametrize("direct_min_bytes", [0, 1 << 30], ids=["in-place", "packed"])
+def test_a_corrupted_bucket_is_refused(direct_min_bytes: int) -> None:
+    blamed, got = run_distributed(_corrupt_worker, 2, direct_min_bytes, timeout_s=60)
+    assert blamed in (None, 1)
+    assert "checksum mismatch" in got["message"] and got["peer"] == 0 and got["bucket"] is not None, got
+    assert got["held"] is None  # the receiver does not claim a version it did not get whole
+
+
 def _receiver_then_die(host: str, port: int, named: dict) -> None:
     group = WeightSyncGroup(host=host, port=port, rank=1, world_size=2, timeout_s=4.0)
     WeightReceiver(group, {k: torch.zeros_like(v) for k, v in named.items()})

@@ -27,11 +27,11 @@ import torch
 from llamarl.comm.buckets import (
     TRAILER_BYTES,
     BucketCopies,
+    Checksummer,
     Trailer,
     box_bytes,
     bucket_packer,
     bucket_unpacker,
-    checksum_tensor,
     read_trailer,
     read_trailers,
     trailers_bytes,
@@ -332,10 +332,17 @@ class _Endpoint:
             if pending is not None:
                 wait_all(pending[0], pending[1], 0, "waiting for the receiver to post its receives")
 
-        def checksum(payload: torch.Tensor) -> torch.Tensor | None:
+        def checksum(
+            cache: dict[Any, Any], key: tuple[Any, ...], payload: torch.Tensor
+        ) -> torch.Tensor | None:
             # Taken right after a payload was written or read (sent, packed, received) while its bytes
             # are still in cache: later, summing a spot-check stride reads DRAM as much as a copy does.
-            return checksum_tensor(payload, self.checksum, sync_index) if self.checksum else None
+            if not self.checksum:
+                return None
+            summer = cache.get(key)
+            if summer is None:
+                summer = cache[key] = Checksummer(payload, self.checksum)
+            return summer(sync_index)
 
         # A source starts every send straight from its tensors' memory at once, so those bytes flow
         # while it packs the rest.
@@ -356,7 +363,9 @@ class _Endpoint:
                     src_views[("send", stream.stream_id, bucket.index)] = payload
                 works = [group.send(payload, dst, _tag(stream, bucket), bucket=bucket.index)]
                 loose.append((works, dst, bucket.index))
-                in_flight[(stream.stream_id, bucket.index)] = checksum(payload)
+                in_flight[(stream.stream_id, bucket.index)] = checksum(
+                    src_views, ("sum", stream.stream_id, bucket.index), payload
+                )
 
         for stream, bucket in schedule:
             sid, tag = stream.stream_id, _tag(stream, bucket)
@@ -375,7 +384,8 @@ class _Endpoint:
                         payload = buf[: _direct_len(bucket)]
                         pack(stream, bucket, key[1], buf)
                         sends[key] = ([group.send(payload, dst, tag, bucket=bucket.index)], dst, bucket.index)
-                        bucket_sum = checksum(payload)  # before the staging slot is reused
+                        # before the staging slot is reused
+                        bucket_sum = checksum(self._views, ("sum", sid, bucket.index, key[1]), payload)
                     if bucket_sum is not None:  # a 0-d tensor: on a GPU, no host sync per bucket
                         manifest_sums[sid].append(bucket_sum)
                     if last_direct:
@@ -392,7 +402,8 @@ class _Endpoint:
                     key, buf = source_slot(stream)
                     n = bucket.payload_bytes
                     pack(stream, bucket, key[1], buf)
-                    write_trailer(buf[n:], buf[:n], **ids, **stamp)
+                    bucket_sum = checksum(self._views, ("sum", sid, bucket.index, key[1]), buf[:n])
+                    write_trailer(buf[n:], buf[:n], **ids, **stamp, bucket_sum=bucket_sum)
                     works = [group.send(buf[: n + TRAILER_BYTES], dst, tag, bucket=bucket.index)]
                     sends[key] = (works, dst, bucket.index)
             else:
@@ -409,7 +420,9 @@ class _Endpoint:
                         loose.append((fwd, downstream, bucket.index))
                     if unpack is not None:  # landed in a buffer of its own
                         unpack.run()
-                    received_direct.setdefault(sid, []).append(checksum(payload))
+                    received_direct.setdefault(sid, []).append(
+                        checksum(self._views, ("sum", sid, bucket.index), payload)
+                    )
                     if last_direct:
                         m_works, manifest = manifests.pop(sid)
                         wait_all(m_works, upstream, bucket.index, "receiving the manifest")
@@ -426,7 +439,7 @@ class _Endpoint:
                     n = bucket.payload_bytes
                     assert unpack is not None
                     self._verify(
-                        [checksum(payload[:n])],
+                        [checksum(self._views, ("sum", sid, bucket.index), payload[:n])],
                         [read_trailer(payload[n : n + TRAILER_BYTES])],
                         [bucket],
                         stream,

@@ -28,6 +28,7 @@ __all__ = [
     "FP8_MAX",
     "TRAILER_BYTES",
     "BucketCopies",
+    "Checksummer",
     "Trailer",
     "box_bytes",
     "bucket_checksum",
@@ -50,28 +51,58 @@ def _box(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[slice, ...]:
     return tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))
 
 
-def checksum_tensor(payload_u8: torch.Tensor, stride: int = 1, phase: int = 0) -> torch.Tensor:
-    """Wrapping int64 sum of a payload (uint8) read as int64 words, as a 0-d int64 tensor on the
-    payload's device (no host sync, so a GPU keeps streaming); a ragged tail adds its bytes.
+class Checksummer:
+    """The checksum of one payload (uint8) at any phase, with its views built once: a sync replays it on
+    the same memory, and building views costs more than summing a spot check.
 
-    ``stride > 1`` sums every ``stride``-th word starting at word ``phase``, plus the last one: a cheaper
-    spot check (a fraction of the memory traffic) that still catches stale, shifted, misrouted or
-    truncated buckets. Senders rotate ``phase`` with the sync index, so every word is checked once
-    every ``stride`` syncs.
+    The checksum is the wrapping int64 sum of the payload read as int64 words (a ragged tail adds its
+    bytes). With ``stride > 1`` it is a spot check over a fraction of the memory traffic: the words are
+    cut into rows of ``stride`` and the sum takes column ``phase % stride`` of every row but the last,
+    plus all of the last row (so the last word, and with it truncation, is always checked). Senders
+    rotate ``phase`` with the sync index, so every word is checked once every ``stride`` syncs.
     """
-    if payload_u8.data_ptr() % 8:
-        # A box landing at an odd place in a tensor: sum an aligned copy, so both sides agree whatever
-        # the alignment of their own memory.
-        payload_u8 = payload_u8.clone()
-    n = payload_u8.numel()
-    whole = n - n % 8
-    if not whole:
-        return payload_u8.sum(dtype=torch.int64)
-    words = payload_u8[:whole].view(torch.int64)
-    total = words.sum() if stride <= 1 else words[phase % stride :: stride].sum() + words[-1]
-    if whole != n:
-        total = total + payload_u8[whole:].sum(dtype=torch.int64)
-    return total
+
+    def __init__(self, payload_u8: torch.Tensor, stride: int = 1) -> None:
+        self.payload = payload_u8
+        self.stride = max(1, stride)
+        # A box at an odd address (a slice of a tensor) is summed from an aligned copy at each call, so
+        # both sides agree whatever the alignment of their own memory.
+        self.aligned = payload_u8.data_ptr() % 8 == 0
+        if self.aligned:
+            self._views = self._split(payload_u8)
+
+    def _split(
+        self, payload_u8: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        n = payload_u8.numel()
+        whole = n - n % 8
+        words = payload_u8[:whole].view(torch.int64)
+        tail = payload_u8[whole:] if whole != n else None
+        if not whole:
+            return None, None, tail
+        if self.stride == 1:
+            return None, words, tail
+        rows = (words.numel() - 1) // self.stride  # the last (partial or whole) row is summed in full
+        grid = words[: rows * self.stride].view(rows, self.stride) if rows else None
+        return grid, words[rows * self.stride :], tail
+
+    def __call__(self, phase: int = 0) -> torch.Tensor:
+        """The checksum as a 0-d int64 tensor on the payload's device (no host sync: a GPU keeps going)."""
+        grid, rest, tail = self._views if self.aligned else self._split(self.payload.clone())
+        total = rest.sum() if rest is not None else None
+        if grid is not None:
+            total = grid[:, phase % self.stride].sum() + total
+        if tail is not None:
+            tail_sum = tail.sum(dtype=torch.int64)
+            total = tail_sum if total is None else total + tail_sum
+        if total is None:  # an empty payload
+            total = torch.zeros((), dtype=torch.int64, device=self.payload.device)
+        return total
+
+
+def checksum_tensor(payload_u8: torch.Tensor, stride: int = 1, phase: int = 0) -> torch.Tensor:
+    """The ``Checksummer`` sum of a payload (uint8) at ``phase``, as a 0-d int64 tensor on its device."""
+    return Checksummer(payload_u8, stride)(phase)
 
 
 def bucket_checksum(payload_u8: torch.Tensor, stride: int = 1, phase: int = 0) -> int:
@@ -235,12 +266,15 @@ def write_trailer(
     policy_version: int,
     sync_index: int,
     checksum: int,
+    bucket_sum: torch.Tensor | None = None,
 ) -> None:
     """Write the 32-byte trailer of ``payload_u8`` into ``out_u8``. ``checksum`` is the word stride of
-    the checksum (1: every word), 0 for none; its phase is ``sync_index % checksum``."""
-    sums = [checksum_tensor(payload_u8, checksum, sync_index)] if checksum else None
+    the checksum (1: every word), 0 for none; its phase is ``sync_index % checksum``. ``bucket_sum``:
+    the payload's checksum already computed (e.g. by a cached ``Checksummer``)."""
+    if checksum and bucket_sum is None:
+        bucket_sum = checksum_tensor(payload_u8, checksum, sync_index)
     trailer = trailers_bytes(
-        sums,
+        [bucket_sum] if checksum and bucket_sum is not None else None,
         [(stream_id, bucket_index)],
         policy_version=policy_version,
         sync_index=sync_index,
