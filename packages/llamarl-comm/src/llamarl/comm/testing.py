@@ -60,6 +60,10 @@ class Rendezvous:
         return f"file://{self.file}"
 
 
+# After one rank fails, how long the others get to report their own failures (or results).
+FAILURE_GRACE_S = 3.0
+
+
 class DistributedTestError(RuntimeError):
     """A child failed (its traceback is in the message) or the run timed out."""
 
@@ -189,12 +193,16 @@ class DistributedPool:
             for rank, (_, tasks, _) in enumerate(workers):
                 tasks.put((call_id, fn_ref, rank, world_size, rendezvous, args))
             deadline = time.monotonic() + timeout_s
-            failure: str | None = None
+            failures: dict[int, str] = {}  # rank -> why it failed
             dead_since: dict[int, float] = {}
-            while len(values) < world_size and failure is None:
+            grace_until: float | None = None  # after a first failure: how long to wait for the others
+            while len(values) + len(failures) < world_size:
+                now = time.monotonic()
+                if grace_until is not None and now > grace_until:
+                    break
                 progressed = False
                 for rank, (proc, _, results) in enumerate(workers):
-                    if rank in values:
+                    if rank in values or rank in failures:
                         continue
                     try:
                         got_call, got_rank, status, payload = results.get_nowait()
@@ -206,10 +214,9 @@ class DistributedPool:
                                 if rank in may_die:
                                     values[rank] = None
                                 else:
-                                    failure = (
+                                    failures[rank] = (
                                         f"rank {rank} exited with code {proc.exitcode} without a traceback"
                                     )
-                                    break
                         continue
                     progressed = True
                     if got_call != call_id:
@@ -217,13 +224,18 @@ class DistributedPool:
                     if status == "ok":
                         values[got_rank] = pickle.loads(payload)
                     else:
-                        failure = f"rank {got_rank} failed:\n{payload}"
-                        break
-                if failure is None and time.monotonic() > deadline:
+                        failures[got_rank] = f"rank {got_rank} failed:\n{payload}"
+                if failures and grace_until is None:
+                    # A rank that fails often makes its peers fail too (a reset connection): wait a
+                    # moment for their reports, so the root cause is shown, not only its echo.
+                    grace_until = time.monotonic() + FAILURE_GRACE_S
+                if not failures and time.monotonic() > deadline:
                     pending = [r for r in range(world_size) if r not in values]
-                    failure = f"timed out after {timeout_s:.0f}s; ranks still running: {pending}"
+                    failures[-1] = f"timed out after {timeout_s:.0f}s; ranks still running: {pending}"
+                    break
                 if not progressed:
                     time.sleep(0.02)
+            failure = "\n".join(failures[r] for r in sorted(failures)) if failures else None
             for rank in range(world_size):
                 # Failed runs may leave ranks blocked on dead peers; dead ranks need replacing.
                 if failure is not None or not workers[rank][0].is_alive():
@@ -266,8 +278,9 @@ def run_distributed(
 ) -> list[Any]:
     """Run ``fn(rank, world_size, rendezvous, *args)`` in ``world_size`` processes (one thread each).
 
-    Returns the values returned by ``fn``, indexed by rank. Raises ``DistributedTestError`` with the
-    first failing child's traceback (and its rank) after killing the others, when a child dies without
+    Returns the values returned by ``fn``, indexed by rank. Raises ``DistributedTestError`` with every
+    failing child's traceback (and its rank; the others get ``FAILURE_GRACE_S`` to report) after
+    killing the rest, when a child dies without
     a traceback (e.g. killed by a signal; unless its rank is in ``may_die``), or when the run exceeds
     ``timeout_s``. Processes come from a shared pool unless ``fresh`` (or the environment variable
     ``LLAMARL_TEST_FRESH_PROCESSES=1``) asks for new ones.

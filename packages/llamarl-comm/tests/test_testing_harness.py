@@ -1,0 +1,45 @@
+"""The multi-process harness every package's distributed tests stand on: what it reports when ranks fail."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from llamarl.comm.testing import DistributedTestError, run_distributed
+
+
+def _values(rank: int, world_size: int, rdv, base: int) -> int:
+    return base + rank * world_size
+
+
+def test_values_come_back_by_rank() -> None:
+    assert run_distributed(_values, 3, 10, timeout_s=60) == [10, 13, 16]
+
+
+def _root_cause_and_echo(rank: int, world_size: int, rdv) -> None:
+    if rank == 1:
+        raise ValueError("the root cause on rank 1")
+    time.sleep(0.3)  # rank 0 fails second, as a peer of a dead rank does
+    raise ConnectionError("rank 0 saw its peer go away")
+
+
+def test_every_failing_rank_is_reported_not_only_the_first_seen() -> None:
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_root_cause_and_echo, 2, timeout_s=60)
+    message = str(info.value)
+    assert "rank 1 failed" in message and "the root cause on rank 1" in message, message
+    assert "rank 0 failed" in message and "rank 0 saw its peer go away" in message, message
+
+
+def _hang_on_rank_0(rank: int, world_size: int, rdv) -> int:
+    if rank == 0:
+        time.sleep(30)
+    return rank
+
+
+def test_a_hung_rank_is_a_timeout_naming_it() -> None:
+    start = time.monotonic()
+    with pytest.raises(DistributedTestError, match=r"timed out after 2s; ranks still running: \[0\]"):
+        run_distributed(_hang_on_rank_0, 2, timeout_s=2)
+    assert time.monotonic() - start < 15
