@@ -197,8 +197,7 @@ class DistributedPool:
             dead_since: dict[int, float] = {}
             grace_until: float | None = None  # after a first failure: how long to wait for the others
             while len(values) + len(failures) < world_size:
-                now = time.monotonic()
-                if grace_until is not None and now > grace_until:
+                if grace_until is not None and time.monotonic() > grace_until:
                     break
                 progressed = False
                 for rank, (proc, _, results) in enumerate(workers):
@@ -278,12 +277,11 @@ def run_distributed(
 ) -> list[Any]:
     """Run ``fn(rank, world_size, rendezvous, *args)`` in ``world_size`` processes (one thread each).
 
-    Returns the values returned by ``fn``, indexed by rank. Raises ``DistributedTestError`` with every
-    failing child's traceback (and its rank; the others get ``FAILURE_GRACE_S`` to report) after
-    killing the rest, when a child dies without
-    a traceback (e.g. killed by a signal; unless its rank is in ``may_die``), or when the run exceeds
-    ``timeout_s``. Processes come from a shared pool unless ``fresh`` (or the environment variable
-    ``LLAMARL_TEST_FRESH_PROCESSES=1``) asks for new ones.
+    Returns the values returned by ``fn``, indexed by rank. Raises ``DistributedTestError`` when a child
+    raises, when one dies without a traceback (e.g. killed by a signal; unless its rank is in
+    ``may_die``), or when the run exceeds ``timeout_s``: with every failing child's traceback and rank
+    (after a first failure the others get ``FAILURE_GRACE_S`` to report), the rest killed. Processes
+    come from a shared pool unless ``fresh`` (or ``LLAMARL_TEST_FRESH_PROCESSES=1``) asks for new ones.
     """
     if fresh or os.environ.get("LLAMARL_TEST_FRESH_PROCESSES") == "1":
         pool = DistributedPool()
