@@ -147,18 +147,17 @@ def _corrupt_worker(rank: int, world_size: int, rdv, direct_min_bytes: int):
     if rank == 0:
         from llamarl.comm import buckets
 
+        sender = WeightSender(group, named, bucket_bytes=64 << 10, direct_min_bytes=direct_min_bytes)
         # Fault injection on the sending side: every checksum it sends is off by one, so the bytes
         # that arrive disagree with their trailer exactly as a torn or corrupted transfer would. The
         # worker process is reused by later tests: the honest checksum is put back whatever happens.
         honest = buckets.Checksummer.__call__
         buckets.Checksummer.__call__ = lambda self, phase=0: honest(self, phase) + 1
         try:
-            sender = WeightSender(group, named, bucket_bytes=64 << 10, direct_min_bytes=direct_min_bytes)
-            try:
-                sender.send(1)
-                blamed = None
-            except WeightSyncError as exc:  # the receiver refused an early bucket and dropped the group
-                blamed = exc.peer
+            sender.send(1)
+            blamed = None
+        except WeightSyncError as exc:  # the receiver refused an early bucket and dropped the group
+            blamed = exc.peer
         finally:
             buckets.Checksummer.__call__ = honest
         group.get("test/receiver-done", timeout_s=30)  # host the store until the receiver is done
