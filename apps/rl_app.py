@@ -21,8 +21,10 @@ from llamarl.algo import (
     get_policy_loss,
 )
 from llamarl.control import TASKS, ConfigError, DataError, RunConfig, RunFailed, launch, load_examples
+from llamarl.control.tasks import hub_unavailable_reason
 
 CUDA_DEFAULT_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
+EMBEDDED_DATA = Path(__file__).resolve().parent / "data"  # compressed copies shipped with the apps
 
 
 class UsageError(Exception):
@@ -42,10 +44,7 @@ def build_parser(task: str) -> argparse.ArgumentParser:
         help="hub id or local folder (default: SmolLM2-135M-Instruct on the CPU, "
         f"{CUDA_DEFAULT_MODEL} on CUDA)",
     )
-    p.add_argument(
-        "--data",
-        help=f"folder with train.jsonl and test.jsonl, or a hub dataset id (default: {TASKS[task].hub_id})",
-    )
+    p.add_argument("--data", help=_data_help(TASKS[task]))
     p.add_argument("--output-dir", default=f"runs/{task}_rl", help="where summary.json, metrics, samples go")
     p.add_argument("--mode", choices=["async", "sync"], default=defaults.mode)
     p.add_argument("--steps", type=int, default=defaults.steps, help="optimizer steps")
@@ -54,6 +53,18 @@ def build_parser(task: str) -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
     p.add_argument("--temperature", type=float, default=defaults.temperature)
     p.add_argument("--eval-size", type=int, default=defaults.eval_size, help="held-out questions (0: skip)")
+    p.add_argument(
+        "--eval-samples",
+        type=int,
+        default=defaults.eval_samples,
+        help="also score this many answers per held-out question sampled at --temperature (0: greedy only)",
+    )
+    p.add_argument(
+        "--eval-every",
+        type=int,
+        default=defaults.eval_every,
+        help="evaluate every K steps too (0: start, end)",
+    )
     p.add_argument("--seed", type=int, default=defaults.seed)
     p.add_argument("--loss", choices=sorted(POLICY_LOSS_NAMES), default=defaults.loss)
     p.add_argument("--advantage", choices=sorted(ADVANTAGE_NAMES), default=defaults.advantage)
@@ -89,6 +100,30 @@ def build_parser(task: str) -> argparse.ArgumentParser:
     return p
 
 
+def _data_help(task) -> str:
+    if task.hub_id is None:
+        return "folder with train.jsonl and test.jsonl (default: the task's questions, made in code)"
+    return (
+        f"folder with train.jsonl and test.jsonl, or a hub dataset id (default: {task.hub_id}, or the "
+        "copy shipped in apps/data when the hub cannot be reached)"
+    )
+
+
+def resolve_data(task: str, data: str | None, prog: str) -> str | None:
+    """The dataset to load: the flag, else the hub default, else the embedded copy when offline.
+
+    Says in one line when it falls back, instead of letting the hub client retry with warnings.
+    """
+    embedded = EMBEDDED_DATA / task
+    if data is not None or TASKS[task].hub_id is None or not embedded.is_dir():
+        return data
+    reason = hub_unavailable_reason()
+    if reason is None:
+        return None
+    print(f"{prog}: {reason}: using the {task} copy shipped in {embedded}", file=sys.stderr)
+    return str(embedded)
+
+
 def config_from_args(task: str, args: argparse.Namespace, model: str) -> RunConfig:
     return RunConfig(
         task=task,
@@ -101,6 +136,8 @@ def config_from_args(task: str, args: argparse.Namespace, model: str) -> RunConf
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         eval_size=args.eval_size,
+        eval_samples=args.eval_samples,
+        eval_every=args.eval_every,
         seed=args.seed,
         loss=args.loss,
         advantage=args.advantage,
@@ -179,8 +216,9 @@ def main(task: str, argv: list[str] | None = None) -> int:
         config = config_from_args(task, args, model)
         config.validate()
         _check_algorithm(config)
-        train = load_examples(TASKS[task], args.data, "train")
-        test = load_examples(TASKS[task], args.data, "test") if config.eval_size else []
+        data = resolve_data(task, args.data, prog)
+        train = load_examples(TASKS[task], data, "train")
+        test = load_examples(TASKS[task], data, "test") if config.eval_size else []
         if config.eval_size > len(test):
             raise UsageError(
                 f"--eval-size {config.eval_size} is larger than the test split ({len(test)} rows)"

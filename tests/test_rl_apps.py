@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from llamarl.control.timeline import read_chrome_trace
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -69,21 +71,72 @@ def test_gsm8k_app_trains_in_both_modes(tiny_model_dir, gsm8k_dir, tmp_path, mod
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["policy/lag"] for m in metrics] == ([0.0, 1.0, 1.0] if mode == "async" else [0.0, 0.0, 0.0])
     assert list(out.glob("wandb/offline-run-*")), "no offline W&B run written"
+    assert (out / "report.png").read_bytes().startswith(b"\x89PNG")
+    # The trace has a lane per rank; generation and training overlap in async mode only.
+    spans, roles = read_chrome_trace(out / "trace.json")
+    assert roles == {0: "rank 0 trainer", 1: "rank 1 generator 1"}
+    train = [s for s in spans[0] if s.name == "train"]
+    generate = [s for s in spans[1] if s.name == "generate"]
+    assert len(train) == 3 and len(generate) == 3
+    overlaps = [(g, t) for g in generate for t in train if g.start < t.end and t.start < g.end]
+    assert bool(overlaps) == (mode == "async"), (generate, train)
 
 
 @pytest.mark.timeout(600)
-def test_math_app_runs_with_two_generators_and_a_loss_picked_by_name(tiny_model_dir, math_dir, tmp_path):
+def test_math_app_offline_on_embedded_data_with_two_generators_and_a_loss_picked_by_name(
+    tiny_model_dir, tmp_path
+):
     out = tmp_path / "math"
+    args = common_args(tiny_model_dir, Path("unused"), out)
+    del args[2:4]  # no --data: offline, the app falls back to the copy it ships
     result = run_app(
-        "math_rl", *common_args(tiny_model_dir, math_dir, out), "--num-generators", "2", "--no-wandb",
+        "math_rl", *args, "--num-generators", "2", "--no-wandb",
         "--loss", "dapo", "--advantage", "rloo", "--loss-arg", "clip_high=0.3",
+        env={"HF_HUB_OFFLINE": "1"},
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]
+    notes = [line for line in result.stderr.splitlines() if "shipped in" in line]
+    assert notes == [f"math_rl: offline mode is set (HF_HUB_OFFLINE): using the math copy shipped in "
+                     f"{REPO / 'apps' / 'data' / 'math'}"], result.stderr[-2000:]  # fmt: skip
+    assert "Retrying" not in result.stderr and "retry" not in result.stderr.lower()
     summary = json.loads((out / "summary.json").read_text())
     assert summary["num_generators"] == 2 and summary["final_policy_version"] == 3
     first_step = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
     assert "train/clipped_fraction" in first_step  # DAPO's metric: the loss picked by name was used
     assert {p.name for p in out.glob("samples.rank*.jsonl")} == {"samples.rank1.jsonl", "samples.rank2.jsonl"}
+
+
+@pytest.mark.timeout(600)
+def test_arith_app_evaluates_greedy_and_sampled_with_a_paired_interval(tiny_model_dir, tmp_path):
+    out = tmp_path / "arith"
+    args = common_args(tiny_model_dir, Path("unused"), out)
+    del args[2:4]  # the arithmetic task makes its own questions
+    result = run_app(
+        "arith_rl", *args, "--mode", "sync", "--no-wandb", "--eval-size", "6", "--eval-samples", "2",
+        "--eval-every", "2",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["task"] == "arith" and summary["eval_size"] == 6
+    # start, inside the loop before tick 2 (weights of version 2 in sync mode), end
+    assert [e["policy_version"] for e in summary["eval_history"]] == [0, 2, 3]
+    for key in ("eval_accuracy", "eval_sampled_accuracy"):
+        delta, low, high = summary[f"{key}_delta_ci95"]
+        assert low <= delta <= high
+        assert delta == pytest.approx(summary[f"{key}_end"] - summary[f"{key}_start"])
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = [m for m in metrics if "eval/accuracy" in m]
+    assert [m["eval/policy_version"] for m in evals] == [0, 2, 3]
+    assert all(0 <= m["eval/sampled_accuracy"] <= 1 for m in evals)
+    assert len([m for m in metrics if "train/reward_mean" in m]) == 3
+    # Step times leave out the evaluation inside the loop: step 3's time is the wall time between the
+    # end of training steps 2 and 3 less the evaluation before tick 2.
+    spans, _ = read_chrome_trace(out / "trace.json")
+    in_loop_eval = next(s for s in spans[0] if s.name == "eval" and s.tick == 2)
+    train_ends = [s.end for s in spans[0] if s.name == "train"]
+    step_3 = next(m["time/step_s"] for m in metrics if m.get("policy/version") == 3)
+    expected = train_ends[2] - train_ends[1] - (in_loop_eval.end - in_loop_eval.start)
+    assert step_3 == pytest.approx(expected, abs=0.25)
 
 
 @pytest.mark.timeout(400)

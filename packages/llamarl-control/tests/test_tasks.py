@@ -84,3 +84,56 @@ def test_shared_math_copy_loads_despite_its_empty_answer_rows(caplog):
     with caplog.at_level("WARNING"):
         assert len(load_examples(MATH, _shared("math"), "train")) == 7496
     assert "skipped 2 row(s)" in caplog.text
+
+
+def test_arithmetic_task_holds_out_whole_operand_pairs():
+    from llamarl.control.tasks import ARITH
+    from llamarl.exec.rewards import gsm8k_reward
+
+    train, test = load_examples(ARITH, None, "train"), load_examples(ARITH, None, "test")
+    assert (len(train), len(test)) == (400, 100)
+    pairs = {
+        s: {tuple(re.findall(r"\d+", e.question)) for e in split}
+        for s, split in (("train", train), ("test", test))
+    }
+    assert len(pairs["test"]) == 20 and not pairs["train"] & pairs["test"]
+    a, b = next(iter(pairs["test"]))
+    example = next(e for e in test if tuple(re.findall(r"\d+", e.question)) == (a, b))
+    assert gsm8k_reward(f"{a} + {b} = {int(a) + int(b)}", example.reference) == 1.0
+    assert load_examples(ARITH, None, "test") == test  # the split does not move between calls
+
+
+def test_gzip_copies_load_like_the_plain_files(tmp_path):
+    import gzip
+
+    rows = [
+        {"question": "What is 2 + 3?", "answer": "#### 5"},
+        {"question": "And 4 + 4?", "answer": "#### 8"},
+    ]
+    with gzip.open(tmp_path / "test.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    examples = load_examples(GSM8K, str(tmp_path), "test")
+    assert [e.reference for e in examples] == ["#### 5", "#### 8"]
+    (tmp_path / "bad").mkdir()
+    with gzip.open(tmp_path / "bad" / "test.jsonl.gz", "wt") as f:
+        f.write("{not json\n")
+    with pytest.raises(DataError, match=r"test.jsonl.gz:1: not valid JSON"):
+        load_examples(GSM8K, str(tmp_path / "bad"), "test")
+
+
+def test_the_apps_embedded_copies_hold_the_full_datasets():
+    from pathlib import Path
+
+    embedded = Path(__file__).resolve().parents[3] / "apps" / "data"
+    # Two MATH training rows have an empty reference and are skipped, as from the shared copy.
+    for task, name, sizes in ((GSM8K, "gsm8k", (7473, 1319)), (MATH, "math", (7496, 5000))):
+        for split, size in zip(("train", "test"), sizes, strict=True):
+            assert (embedded / name / f"{split}.jsonl.gz").stat().st_size < 2 << 20
+            assert len(load_examples(task, str(embedded / name), split)) == size
+
+
+def test_offline_mode_is_reported_without_touching_the_network(monkeypatch):
+    from llamarl.control.tasks import hub_unavailable_reason
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert hub_unavailable_reason() == "offline mode is set (HF_HUB_OFFLINE)"

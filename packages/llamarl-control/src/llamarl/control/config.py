@@ -15,7 +15,7 @@ class RunConfig:
     """Everything one RL run needs. Apps build it from the command line; tests build it directly."""
 
     # What to learn.
-    task: str  # "gsm8k" or "math": dataset schema, prompt instruction and reward function
+    task: str  # a name in llamarl.control.tasks.TASKS (gsm8k, math, arith): schema, prompt and reward
     model: str  # hub id or local folder of a transformers causal LM (the starting policy)
     output_dir: str  # summary.json, metrics.jsonl, samples, W&B run, logs, final model
 
@@ -27,6 +27,8 @@ class RunConfig:
     max_new_tokens: int = 128  # completion length limit while training and evaluating
     temperature: float = 1.0  # sampling temperature; the trainer scores tokens at the same temperature
     eval_size: int = 16  # held-out test questions scored greedily before and after training (0: none)
+    eval_samples: int = 0  # also sample this many answers per question at `temperature` (0: greedy only)
+    eval_every: int = 0  # evaluate also every this many ticks inside the loop, for curves (0: never)
     seed: int = 0  # prompt order, sampling and model initialisation
     max_policy_lag: int = 1  # the trainer refuses rollouts older than this many policy versions
 
@@ -78,8 +80,9 @@ class RunConfig:
             raise ConfigError(f"mode must be 'async' or 'sync', got {self.mode!r}")
         if self.temperature <= 0:
             raise ConfigError(f"temperature must be positive, got {self.temperature}")
-        if self.eval_size < 0:
-            raise ConfigError(f"eval_size must be 0 or more, got {self.eval_size}")
+        for name in ("eval_size", "eval_samples", "eval_every"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be 0 or more, got {getattr(self, name)}")
         if self.lr <= 0 or self.timeout_s <= 0 or self.reward_timeout_s <= 0:
             raise ConfigError("lr, timeout_s and reward_timeout_s must be positive")
         if self.prompts_per_step % self.num_generators:

@@ -26,10 +26,13 @@ import torch.distributed as dist
 from llamarl.comm import WeightReceiver, WeightSender, WeightSyncGroup
 from llamarl.control.channels import concat_rollouts, recv_rollouts, send_rollouts
 from llamarl.control.config import RunConfig
+from llamarl.control.evaluation import EvalResult, paired_delta_ci
 from llamarl.control.executors import build_generator, build_rewarder, build_trainer, load_tokenizer
 from llamarl.control.metrics import MetricsLogger
 from llamarl.control.net import free_port
+from llamarl.control.report import write_report
 from llamarl.control.tasks import TASKS, Example
+from llamarl.control.timeline import Timeline, write_chrome_trace
 from llamarl.exec.types import RolloutBatch
 
 TRAINER_RANK = 0
@@ -66,6 +69,10 @@ class Controller:
         self._step_records: list[dict[str, float]] = []
         self._last_sync_s = float("nan")
         self._train_end_times: list[float] = []
+        self.timeline = Timeline()  # this rank's phases, gathered into OUTPUT_DIR/trace.json at the end
+        self._tick = -1  # the tick being run (-1 before and after the training loop)
+        self._eval_history: list[EvalResult] = []  # trainer: every evaluation, in order
+        self._eval_s_in_loop = 0.0  # time spent evaluating inside the training loop (not training)
 
     # ----------------------------------------------------------------------------------------------
     # lifecycle
@@ -127,13 +134,15 @@ class Controller:
         cfg = self.config
         run_start = time.perf_counter()
         self._maybe_fail(tick=-1)
-        eval_start = self._evaluate("start")
-        loop_start = time.perf_counter()
+        self._evaluate("start")
+        loop_start = self._loop_clock()
         if cfg.mode == "async":
             # Tick t: move batch t-1 and weights of version t-1, then generate batch t while the
             # trainer trains on batch t-1 (sampled by version t-2): one policy version off.
             for tick in range(cfg.steps + 1):
+                self._tick = tick
                 self._maybe_fail(tick)
+                self._maybe_evaluate(tick)
                 if tick >= 1:
                     self._move_rollouts()
                 if tick >= 2:
@@ -145,28 +154,34 @@ class Controller:
             self._sync_weights()  # the generators serve the final policy for evaluation
         else:
             for tick in range(cfg.steps):
+                self._tick = tick
                 self._maybe_fail(tick)
+                self._maybe_evaluate(tick)
                 self._generate(tick)
                 self._move_rollouts()
                 self._train()
                 self._sync_weights()
-        loop_s = time.perf_counter() - loop_start
+        loop_s = self._loop_clock() - loop_start
+        self._tick = -1
         if self.is_trainer and cfg.save_model:
             _save_model(self.trainer.model, self.tokenizer, self.output_dir / "final_model")
-        eval_end = self._evaluate("end")
+        self._evaluate("end")
         peak_rss_mb = self._gather_peak_rss_mb()
+        self._write_trace()
         if not self.is_trainer:
             return None
         summary = self._summary(
             run_s=time.perf_counter() - run_start,
             loop_s=loop_s,
-            eval_start=eval_start,
-            eval_end=eval_end,
             peak_rss_mb=peak_rss_mb,
         )
         (self.output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         self.logger.close(summary)
         summary["wandb_dir"] = self.logger.wandb_dir
+        try:
+            write_report(self.output_dir)
+        except Exception as e:  # a picture must never fail a finished run
+            self.logger.write(f"warning: could not draw {self.output_dir / 'report.png'}: {e}")
         return summary
 
     def _generate(self, tick: int) -> None:
@@ -179,16 +194,18 @@ class Controller:
         indices = [self._prompt_order[(first + j) % len(self._prompt_order)] for j in range(per_generator)]
         prompts = [self._tokenized_prompt(i) for i in indices]
         start = time.perf_counter()
-        batch = self.generator.generate(
-            prompts, samples_per_prompt=cfg.samples_per_prompt, max_new_tokens=cfg.max_new_tokens
-        )
+        with self.timeline.phase("generate", tick):
+            batch = self.generator.generate(
+                prompts, samples_per_prompt=cfg.samples_per_prompt, max_new_tokens=cfg.max_new_tokens
+            )
         generate_s = time.perf_counter() - start
         texts = self._decode_completions(batch)
         references = [
             self.train_examples[i].reference for i in indices for _ in range(cfg.samples_per_prompt)
         ]
         start = time.perf_counter()
-        batch.rewards_B = torch.tensor(self.rewarder.score(texts, references), dtype=torch.float32)
+        with self.timeline.phase("score", tick):
+            batch.rewards_B = torch.tensor(self.rewarder.score(texts, references), dtype=torch.float32)
         score_s = time.perf_counter() - start
         for j, text in enumerate(texts):
             record = {
@@ -211,6 +228,10 @@ class Controller:
 
     def _move_rollouts(self) -> None:
         """Generators send the batch they made; the trainer receives one from each generator."""
+        with self.timeline.phase("rollouts", self._tick):
+            self._exchange_rollouts()
+
+    def _exchange_rollouts(self) -> None:
         if not self.is_trainer:
             assert self._pending is not None, "no batch to send"
             send_rollouts(*self._pending, dst=TRAINER_RANK)
@@ -240,9 +261,10 @@ class Controller:
                 f"rollouts are {lag} policy versions old (max_policy_lag={self.config.max_policy_lag})"
             )
         start = time.perf_counter()
-        train_metrics = self.trainer.train_step(batch)
-        now = time.perf_counter()
-        train_s = now - start
+        with self.timeline.phase("train", self._tick):
+            train_metrics = self.trainer.train_step(batch)
+        train_s = time.perf_counter() - start
+        now = self._loop_clock()
         step_s = now - self._train_end_times[-1] if self._train_end_times else float("nan")
         self._train_end_times.append(now)
         step = self.trainer.policy_version
@@ -268,36 +290,88 @@ class Controller:
     def _sync_weights(self) -> None:
         """Trainer sends its current weights; every generator receives them and takes their version."""
         start = time.perf_counter()
-        if self.is_trainer:
-            self.sender.send(self.trainer.policy_version)
-            self._last_sync_s = time.perf_counter() - start
-        else:
-            self.generator.policy_version = self.receiver.receive()
+        with self.timeline.phase("weight_sync", self._tick):
+            if self.is_trainer:
+                self.sender.send(self.trainer.policy_version)
+                self._last_sync_s = time.perf_counter() - start
+            else:
+                self.generator.policy_version = self.receiver.receive()
 
-    def _evaluate(self, when: str) -> float | None:
-        """Greedy accuracy on the held-out questions, split across generators; None when eval_size is 0."""
+    def _loop_clock(self) -> float:
+        """Seconds on a clock that stops while evaluating inside the loop: step times are training only."""
+        return time.perf_counter() - self._eval_s_in_loop
+
+    def _maybe_evaluate(self, tick: int) -> None:
+        """Evaluates every `eval_every` ticks inside the training loop (learning curves)."""
+        every = self.config.eval_every
+        if every and tick > 0 and tick % every == 0:
+            start = time.perf_counter()
+            self._evaluate(f"tick {tick}")
+            self._eval_s_in_loop += time.perf_counter() - start
+
+    def _evaluate(self, when: str) -> EvalResult | None:
+        """Accuracy on the held-out questions, split across generators; None when eval_size is 0.
+
+        Greedy always; with `eval_samples` K > 0 also the mean over K completions sampled at the
+        training temperature (what RL optimises directly). Scores are kept per question so that the
+        change from start to end gets a paired confidence interval.
+        """
         if not self.eval_examples:
             return None
-        counts = torch.zeros(2, dtype=torch.float64)  # correct, total
-        if not self.is_trainer:
-            mine = self.eval_examples[self.generator_index :: self.config.num_generators]
-            # The trainer idles during evaluation, so the generators may use its cores too.
-            threads = torch.get_num_threads()
-            torch.set_num_threads(max(threads, (os.cpu_count() or 1) // self.config.num_generators))
-            for first in range(0, len(mine), EVAL_CHUNK):
-                chunk = mine[first : first + EVAL_CHUNK]
-                prompts = [self._chat_prompt(e) for e in chunk]
-                batch = self.generator.generate(
-                    prompts, samples_per_prompt=1, max_new_tokens=self.config.max_new_tokens, greedy=True
-                )
-                scores = self.rewarder.score(self._decode_completions(batch), [e.reference for e in chunk])
-                counts += torch.tensor([sum(s > 0.5 for s in scores), len(chunk)], dtype=torch.float64)
-            torch.set_num_threads(threads)
-        dist.all_reduce(counts)
-        accuracy = float(counts[0] / counts[1])
+        cfg = self.config
+        num_questions = len(self.eval_examples)
+        greedy_Q = torch.zeros(num_questions, dtype=torch.float64)
+        sampled_Q = torch.zeros(num_questions, dtype=torch.float64)
+        version = torch.zeros(1, dtype=torch.int64)  # the generators' policy_version (all hold the same)
+        with self.timeline.phase("eval", self._tick):
+            if not self.is_trainer:
+                version[0] = self.generator.policy_version
+                mine = list(range(num_questions))[self.generator_index :: cfg.num_generators]
+                # The trainer idles during evaluation, so the generators may use its cores too.
+                threads = torch.get_num_threads()
+                torch.set_num_threads(max(threads, (os.cpu_count() or 1) // cfg.num_generators))
+                for first in range(0, len(mine), EVAL_CHUNK):
+                    chunk = mine[first : first + EVAL_CHUNK]
+                    greedy_Q[chunk] = torch.tensor(
+                        self._score_questions(chunk, samples=1, greedy=True), dtype=torch.float64
+                    )
+                    if cfg.eval_samples:
+                        sampled_Q[chunk] = torch.tensor(
+                            self._score_questions(chunk, samples=cfg.eval_samples, greedy=False),
+                            dtype=torch.float64,
+                        )
+                torch.set_num_threads(threads)
+            for tensor in (greedy_Q, sampled_Q):
+                dist.all_reduce(tensor)
+            dist.all_reduce(version, op=dist.ReduceOp.MAX)
+        result = EvalResult(
+            policy_version=int(version),
+            greedy_Q=greedy_Q.tolist(),
+            sampled_Q=sampled_Q.tolist() if cfg.eval_samples else None,
+        )
         if self.is_trainer:
-            self.logger.write(f"eval ({when}): accuracy {accuracy:.3f} on {int(counts[1])} questions")
-        return accuracy
+            sampled = f", sampled {result.sampled_accuracy:.3f}" if result.has_samples else ""
+            self.logger.write(
+                f"eval ({when}, policy_version {result.policy_version}): greedy accuracy "
+                f"{result.accuracy:.3f}{sampled} on {num_questions} questions"
+            )
+            record = {"eval/accuracy": result.accuracy, "eval/policy_version": float(result.policy_version)}
+            if result.has_samples:
+                record["eval/sampled_accuracy"] = result.sampled_accuracy
+            self.logger.log(self.trainer.policy_version, record, advance=False)
+            self._eval_history.append(result)
+        return result
+
+    def _score_questions(self, indices: list[int], *, samples: int, greedy: bool) -> list[float]:
+        """Generator rank: the mean reward of `samples` completions of each held-out question."""
+        examples = [self.eval_examples[i] for i in indices]
+        prompts = [self._chat_prompt(e) for e in examples]
+        batch = self.generator.generate(
+            prompts, samples_per_prompt=samples, max_new_tokens=self.config.max_new_tokens, greedy=greedy
+        )
+        references = [e.reference for e in examples for _ in range(samples)]
+        scores = self.rewarder.score(self._decode_completions(batch), references)
+        return [sum(scores[q * samples : (q + 1) * samples]) / samples for q in range(len(examples))]
 
     # ----------------------------------------------------------------------------------------------
     # helpers
@@ -331,6 +405,14 @@ class Controller:
             os.kill(os.getpid(), signal.SIGKILL)
         raise RuntimeError(f"injected failure on rank {self.rank} at tick {tick} ({FAULT_ENV})")
 
+    def _write_trace(self) -> None:
+        """Gathers every rank's phases on the trainer, which writes OUTPUT_DIR/trace.json."""
+        gathered: list[list] | None = [[] for _ in range(self.world_size)] if self.is_trainer else None
+        dist.gather_object(self.timeline.spans, gathered, dst=TRAINER_RANK)
+        if self.is_trainer:
+            roles = ["trainer" if r == TRAINER_RANK else f"generator {r}" for r in range(self.world_size)]
+            write_chrome_trace(self.output_dir / "trace.json", gathered, roles)
+
     def _gather_peak_rss_mb(self) -> list[float]:
         rss = torch.zeros(self.world_size, dtype=torch.float64)
         rss[self.rank] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
@@ -342,8 +424,6 @@ class Controller:
         *,
         run_s: float,
         loop_s: float,
-        eval_start: float | None,
-        eval_end: float | None,
         peak_rss_mb: list[float],
     ) -> dict[str, Any]:
         cfg = self.config
@@ -362,7 +442,7 @@ class Controller:
             "num_generators": cfg.num_generators,
             "wall_s": run_s,  # replaced by the launcher with the whole command's wall time
             "run_s": run_s,  # evaluations and training on the ranks, after setup
-            "loop_s": loop_s,  # the training ticks alone
+            "loop_s": loop_s,  # the training ticks alone (evaluations inside the loop excluded)
             "step_time_s": sum(step_times) / len(step_times) if step_times else loop_s,
             "gen_tokens_per_s": total_tokens / loop_s,
             "num_completion_tokens": total_tokens,
@@ -372,12 +452,33 @@ class Controller:
             "weight_sync_s": _mean(syncs),
             "train_reward_mean": [r["train/reward_mean"] for r in records],
             "eval_size": len(self.eval_examples),
-            "eval_accuracy_start": eval_start,
-            "eval_accuracy_end": eval_end,
+            **_eval_summary(self._eval_history),
             "final_policy_version": self.trainer.policy_version,
             "peak_rss_mb_per_rank": peak_rss_mb,
             "peak_rss_mb_total": sum(peak_rss_mb),
         }
+
+
+def _eval_summary(history: list[EvalResult]) -> dict[str, Any]:
+    """Start and end accuracies, their paired 95% confidence intervals of the change, every evaluation."""
+    if not history:
+        return {"eval_accuracy_start": None, "eval_accuracy_end": None}
+    first, last = history[0], history[-1]
+    summary: dict[str, Any] = {
+        "eval_accuracy_start": first.accuracy,
+        "eval_accuracy_end": last.accuracy,
+        "eval_accuracy_delta_ci95": paired_delta_ci(first.greedy_Q, last.greedy_Q),
+    }
+    if first.has_samples:
+        summary["eval_sampled_accuracy_start"] = first.sampled_accuracy
+        summary["eval_sampled_accuracy_end"] = last.sampled_accuracy
+        summary["eval_sampled_accuracy_delta_ci95"] = paired_delta_ci(first.sampled_Q, last.sampled_Q)
+    summary["eval_history"] = [
+        {"policy_version": r.policy_version, "accuracy": r.accuracy}
+        | ({"sampled_accuracy": r.sampled_accuracy} if r.has_samples else {})
+        for r in history
+    ]
+    return summary
 
 
 def _save_model(model: torch.nn.Module, tokenizer, path: Path) -> None:

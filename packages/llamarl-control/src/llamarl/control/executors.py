@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from llamarl.control.config import RunConfig
+from llamarl.control.tasks import TASKS
 from llamarl.exec import (
     HFGenerator,
     HFGeneratorConfig,
@@ -64,7 +65,9 @@ def build_generator(config: RunConfig, device: torch.device, *, seed: int) -> HF
 def build_rewarder(config: RunConfig) -> ProcessRewarder:
     # One worker: answer checking is cheap next to generation, and the cores belong to the model.
     rewarder = ProcessRewarder(
-        RewarderConfig(reward_fn=config.task, num_workers=1, timeout_s=config.reward_timeout_s)
+        RewarderConfig(
+            reward_fn=TASKS[config.task].reward_fn, num_workers=1, timeout_s=config.reward_timeout_s
+        )
     )
     rewarder.setup()
     return rewarder

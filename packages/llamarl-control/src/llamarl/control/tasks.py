@@ -7,12 +7,15 @@ validated when loaded, so a malformed file fails before any process is started.
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
-from collections.abc import Iterable
+import os
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from llamarl.control.arithmetic import arithmetic_rows
 from llamarl.exec.rewards import last_boxed
 
 logger = logging.getLogger(__name__)
@@ -34,12 +37,14 @@ class Example:
 class Task:
     """A dataset schema plus the prompt and reward conventions of one math benchmark."""
 
-    name: str  # short name, also the reward function's name in llamarl.exec
-    hub_id: str  # default dataset on the hub
+    name: str  # short name: the app's and the run configuration's name for the task
+    reward_fn: str  # name of the answer checker in llamarl.exec.rewards
+    hub_id: str | None  # default dataset on the hub; None for a synthetic task
     hub_config: str | None  # dataset config name on the hub, if any
     question_field: str  # field holding the problem statement
     reference_fields: tuple[str, ...]  # fields tried in order for the reference answer
     instruction: str  # appended to each question: tells the model how to format its final answer
+    synthesize: Callable[[str], list[dict]] | None = None  # rows of a split, for a task made in code
 
     def example_from_row(self, row: dict, *, where: str) -> Example | None:
         """Validates one dataset row and returns it as an Example; `where` names the row in errors.
@@ -69,7 +74,7 @@ class Task:
             return None
         if field == "solution":  # MATH rows without an `answer` column: the last \boxed{} of the solution
             return last_boxed(value)
-        if self.name == "gsm8k" and "####" not in value:
+        if self.reward_fn == "gsm8k" and "####" not in value:
             return None
         return value.strip()
 
@@ -80,6 +85,7 @@ class Task:
 
 GSM8K = Task(
     name="gsm8k",
+    reward_fn="gsm8k",
     hub_id="openai/gsm8k",
     hub_config="main",
     question_field="question",
@@ -91,6 +97,7 @@ GSM8K = Task(
 
 MATH = Task(
     name="math",
+    reward_fn="math",
     hub_id="DigitalLearningGmbH/MATH-lighteval",
     hub_config=None,
     question_field="problem",
@@ -98,25 +105,72 @@ MATH = Task(
     instruction="Solve the problem step by step, then put the final answer in \\boxed{}.",
 )
 
-TASKS = {task.name: task for task in (GSM8K, MATH)}
+ARITH = Task(
+    name="arith",
+    reward_fn="gsm8k",  # the final number, as for GSM8K
+    hub_id=None,
+    hub_config=None,
+    question_field="question",
+    reference_fields=("answer",),
+    instruction="Give the final number on its own line as '#### <number>'.",
+    synthesize=arithmetic_rows,
+)
+
+TASKS = {task.name: task for task in (GSM8K, MATH, ARITH)}
 
 
 def load_examples(task: Task, data: str | None, split: str) -> list[Example]:
     """Loads and validates one split.
 
-    `data` is a local folder holding `train.jsonl` / `test.jsonl` in the hub schema, a hub dataset id,
-    or None for the task's default hub dataset.
+    `data` is a local folder holding `train.jsonl` / `test.jsonl` (or `.jsonl.gz`) in the hub schema, a
+    hub dataset id, or None for the task's default: its hub dataset, or the rows it makes in code.
     """
     if data is not None and (Path(data).exists() or data.startswith((".", "/", "~"))):
-        return _load_jsonl(task, Path(data).expanduser() / f"{split}.jsonl")
+        return _load_jsonl(task, _split_file(Path(data).expanduser(), split))
+    if data is None and task.synthesize is not None:
+        rows = task.synthesize(split)
+        return _examples(task, ((row, f"{task.name}[{split}][{i}]") for i, row in enumerate(rows)), task.name)
+    if data is None and task.hub_id is None:
+        raise DataError(f"task {task.name!r} has no default dataset; give a folder with --data")
     return _load_hub(task, data or task.hub_id, split)
+
+
+def hub_unavailable_reason(timeout_s: float = 3.0) -> str | None:
+    """Why datasets cannot come from the hub right now (offline mode set, hub unreachable), or None.
+
+    One quick connection attempt instead of letting `datasets` retry for tens of seconds with a
+    warning each time: a machine without network learns it in at most `timeout_s`.
+    """
+    import socket
+    from urllib.parse import urlparse
+
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        if os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on"):
+            return f"offline mode is set ({name})"
+    from huggingface_hub import constants  # a dependency of `datasets`; only its endpoint is read
+
+    endpoint = urlparse(constants.ENDPOINT)
+    port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
+    try:
+        socket.create_connection((endpoint.hostname, port), timeout=timeout_s).close()
+    except OSError as e:
+        return f"the hub is unreachable ({type(e).__name__})"
+    return None
+
+
+def _split_file(folder: Path, split: str) -> Path:
+    """`split.jsonl` in `folder`, or its gzip-compressed `split.jsonl.gz` when only that exists."""
+    plain = folder / f"{split}.jsonl"
+    packed = folder / f"{split}.jsonl.gz"
+    return packed if packed.is_file() and not plain.is_file() else plain
 
 
 def _load_jsonl(task: Task, path: Path) -> list[Example]:
     if not path.is_file():
         raise DataError(f"{path}: file not found (--data must be a folder with train.jsonl and test.jsonl)")
     rows = []
-    with path.open(encoding="utf-8") as f:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
         for line_number, line in enumerate(f, start=1):
             if not line.strip():
                 continue

@@ -1,0 +1,46 @@
+"""The statistics that decide whether a run got better."""
+
+from __future__ import annotations
+
+import pytest
+
+from llamarl.control.evaluation import EvalResult, paired_delta_ci
+
+
+def test_a_consistent_improvement_has_an_interval_above_zero():
+    before = [0.0, 0.25, 0.5, 0.25, 0.0, 0.5, 0.25, 0.0] * 5
+    after = [b + 0.25 + (0.25 if i % 2 else 0.0) for i, b in enumerate(before)]
+    delta, low, high = paired_delta_ci(before, after)
+    assert delta == pytest.approx(0.375)
+    assert 0 < low < delta < high
+
+
+def test_noise_around_no_change_has_an_interval_across_zero():
+    before = [1.0, 0.0] * 20
+    after = [0.0, 1.0] * 10 + [1.0, 0.0] * 10
+    delta, low, high = paired_delta_ci(before, after)
+    assert delta == pytest.approx(0.0)
+    assert low < 0 < high
+
+
+def test_the_interval_is_the_normal_interval_of_the_paired_differences():
+    before, after = [0.0, 0.0, 1.0, 0.0], [1.0, 0.0, 1.0, 1.0]  # differences 1, 0, 0, 1
+    delta, low, high = paired_delta_ci(before, after)
+    sd = (sum((d - 0.5) ** 2 for d in (1, 0, 0, 1)) / 3) ** 0.5
+    assert delta == 0.5
+    assert high - delta == pytest.approx(1.959964 * sd / 2)
+    assert delta - low == pytest.approx(high - delta)
+
+
+def test_mismatched_question_lists_are_refused():
+    with pytest.raises(ValueError, match="same 2"):
+        paired_delta_ci([1.0, 0.0], [1.0])
+
+
+def test_eval_result_accuracies():
+    result = EvalResult(policy_version=3, greedy_Q=[1.0, 0.0, 1.0, 1.0], sampled_Q=[0.5, 0.0, 0.25, 0.25])
+    assert result.accuracy == 0.75 and result.sampled_accuracy == 0.25 and result.has_samples
+    greedy_only = EvalResult(policy_version=0, greedy_Q=[1.0, 0.0])
+    assert not greedy_only.has_samples
+    with pytest.raises(ValueError, match="eval_samples"):
+        _ = greedy_only.sampled_accuracy
