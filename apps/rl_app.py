@@ -35,10 +35,20 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line instead of usage + error
         raise UsageError(f"{message} (see --help)")
 
+    def convert_arg_line_to_args(self, arg_line: str) -> list[str]:
+        # Recipe files: "--flag value" per line, blank lines and "#" comments allowed.
+        line = arg_line.split("#", 1)[0].strip()
+        return line.split() if line else []
+
 
 def build_parser(task: str) -> argparse.ArgumentParser:
     defaults = RunConfig(task=task, model="", output_dir="")
-    p = _Parser(prog=f"{task}_rl", description=f"Asynchronous RL on {task.upper()} with llamarl.")
+    p = _Parser(
+        prog=f"{task}_rl",
+        description=f"Asynchronous RL on {task.upper()} with llamarl. Flags may come from a file: "
+        "@recipes/NAME.args (one flag or value per line; later flags override it).",
+        fromfile_prefix_chars="@",
+    )
     p.add_argument(
         "--model",
         help="hub id or local folder (default: SmolLM2-135M-Instruct on the CPU, "

@@ -187,3 +187,27 @@ def test_missing_model_and_bad_data_end_in_one_line(tiny_model_dir, tmp_path):
     assert result.stderr.strip() == (
         f"gsm8k_rl: error: {tmp_path}/train.jsonl:1: no reference answer (expected one of the fields answer)"
     )
+
+
+@pytest.mark.parametrize("recipe", sorted(p.name for p in (REPO / "recipes").glob("*.args")))
+def test_recipes_parse_into_valid_configs(recipe):
+    sys.path.insert(0, str(REPO / "apps"))
+    try:
+        import rl_app
+    finally:
+        sys.path.pop(0)
+    task = recipe.split("_")[0]
+    args = rl_app.build_parser(task).parse_args([f"@{REPO / 'recipes' / recipe}"])
+    config = rl_app.config_from_args(task, args, model=args.model or "unused")
+    config.validate()
+    assert config.steps >= 40 and config.eval_size >= 100
+    # Later flags override the file's.
+    args = rl_app.build_parser(task).parse_args([f"@{REPO / 'recipes' / recipe}", "--steps", "3"])
+    assert args.steps == 3
+
+
+def test_a_missing_flags_file_ends_in_one_line(tmp_path):
+    result = run_app("arith_rl", f"@{tmp_path / 'nope.args'}", timeout=120)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "No such file or directory" in lines[0] and "nope.args" in lines[0], lines
