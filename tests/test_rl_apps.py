@@ -200,7 +200,7 @@ def test_recipes_parse_into_valid_configs(recipe):
     args = rl_app.build_parser(task).parse_args([f"@{REPO / 'recipes' / recipe}"])
     config = rl_app.config_from_args(task, args, model=args.model or "unused")
     config.validate()
-    assert config.steps >= 40 and config.eval_size >= 100
+    assert config.steps >= 30 and config.eval_size >= 100
     # Later flags override the file's.
     args = rl_app.build_parser(task).parse_args([f"@{REPO / 'recipes' / recipe}", "--steps", "3"])
     assert args.steps == 3

@@ -327,9 +327,11 @@ class Controller:
             if not self.is_trainer:
                 version[0] = self.generator.policy_version
                 mine = list(range(num_questions))[self.generator_index :: cfg.num_generators]
-                # The trainer idles during evaluation, so the generators may use its cores too.
+                # The trainer idles during evaluation, so the generators may use its cores too (unless
+                # the user fixed the threads per rank: on a shared machine more threads can be slower).
                 threads = torch.get_num_threads()
-                torch.set_num_threads(max(threads, (os.cpu_count() or 1) // cfg.num_generators))
+                if cfg.threads_per_rank is None:
+                    torch.set_num_threads(max(threads, (os.cpu_count() or 1) // cfg.num_generators))
                 for first in range(0, len(mine), EVAL_CHUNK):
                     chunk = mine[first : first + EVAL_CHUNK]
                     greedy_Q[chunk] = torch.tensor(
