@@ -94,6 +94,7 @@ def phase_seconds_per_tick(trace_path: Path) -> dict[str, dict[str, float]]:
 
 
 def _rolling(values: list[float], window: int) -> list[float]:
+    """The mean of each value and the `window - 1` before it."""
     out = []
     for i in range(len(values)):
         chunk = values[max(0, i - window + 1) : i + 1]
@@ -102,6 +103,7 @@ def _rolling(values: list[float], window: int) -> list[float]:
 
 
 def plot_rewards(ax, run: RunRecord, color: str | None = None) -> None:
+    """Mean training reward per step (dots) and its running mean over a tenth of the run (line)."""
     steps = [int(r["step"]) for r in run.steps]
     rewards = [r["train/reward_mean"] for r in run.steps]
     ax.plot(steps, rewards, ".", alpha=0.35, color=color)
@@ -111,6 +113,7 @@ def plot_rewards(ax, run: RunRecord, color: str | None = None) -> None:
 
 
 def plot_eval(ax, run: RunRecord, color: str | None = None) -> None:
+    """Held-out accuracy against the policy_version that answered: greedy, and sampled when scored."""
     versions = [int(r["eval/policy_version"]) for r in run.evals]
     ax.plot(versions, [r["eval/accuracy"] for r in run.evals], "o-", color=color, label=f"{run.name} greedy")
     if any("eval/sampled_accuracy" in r for r in run.evals):
@@ -120,6 +123,7 @@ def plot_eval(ax, run: RunRecord, color: str | None = None) -> None:
 
 
 def plot_step_times(ax, run: RunRecord, color: str | None = None) -> None:
+    """Seconds per step, and the generate and train parts of each step."""
     steps = [int(r["step"]) for r in run.steps]
     ax.plot(
         steps,
