@@ -33,7 +33,7 @@ def shard_model(
     averaged: the trainer already divides each rank's loss by the global token and sequence counts.
     """
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     mesh = DeviceMesh.from_group(group, device_type=device.type)
     policy = MixedPrecisionPolicy(
@@ -45,7 +45,11 @@ def shard_model(
         if type(module).__name__ in layer_classes:
             fully_shard(module, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_root_after_forward)
-    model.set_gradient_divide_factor(1.0)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):  # these setters act on one FSDP unit each
+            module.set_gradient_divide_factor(1.0)
+            # A plain SUM (then a division by 1.0): gloo has no PREMUL_SUM, the op a factor asks for.
+            module.set_force_sum_reduction_for_comms(True)
     return model
 
 
