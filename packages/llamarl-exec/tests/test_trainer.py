@@ -142,6 +142,18 @@ def test_token_budget_keeps_order_and_isolates_long_sequences():
         token_budget_rows([1], 0)
 
 
+def test_balanced_rows_give_exactly_the_parts_asked():
+    from llamarl.exec.packing import balanced_rows
+
+    assert balanced_rows([5, 5, 5, 5], 2) == [slice(0, 2), slice(2, 4)]
+    assert balanced_rows([100, 1, 1, 1], 3) == [slice(0, 1), slice(1, 2), slice(2, 4)]
+    assert balanced_rows([1, 1, 1, 100], 3) == [slice(0, 2), slice(2, 3), slice(3, 4)]  # 100 alone
+    assert balanced_rows([3, 3, 3], 3) == [slice(0, 1), slice(1, 2), slice(2, 3)]
+    assert balanced_rows([7, 2], 1) == [slice(0, 2)]
+    with pytest.raises(ValueError):
+        balanced_rows([1, 2], 3)
+
+
 def test_kl_penalty_to_a_frozen_reference(tiny_model_dir, batch):
     """The reference starts equal to the policy (KL 0), stays frozen, and the KL grows as the policy moves."""
     trainer = _trainer(tiny_model_dir, micro_batch_size=3, kl_coef=0.5, kl_estimator="k3")

@@ -59,8 +59,31 @@ def _grad_worker(rank: int, world_size: int, rdv, model_dir: str, batch, overrid
     return (grads, metrics, norm) if rank == 0 else None
 
 
-@pytest.mark.parametrize("overrides", [{}, {"pack_tokens": 40}], ids=["padded", "packed"])
-def test_two_rank_gradient_equals_the_single_rank_gradient(tiny_model_dir, batch, overrides):
+def _budget_with_unequal_micro_batches(batch) -> int:
+    """A token budget that gives the two ranks' parts different numbers of packed micro-batches."""
+    from llamarl.exec.packing import sequence_lengths, token_budget_rows
+
+    for budget in range(8, 80):
+        counts = set()
+        for rank in range(NUM_TRAINERS):
+            part = batch.data_parallel_part(rank, NUM_TRAINERS)
+            lengths = sequence_lengths(part.prompt_mask_BP, part.completion_mask_BC)
+            counts.add(len(token_budget_rows(lengths, budget)))
+        if len(counts) > 1:
+            return budget
+    raise AssertionError("no budget splits the parts unequally; change the batch")
+
+
+@pytest.mark.parametrize("layout", ["padded", "shared", "packed", "packed_unequal"])
+def test_two_rank_gradient_equals_the_single_rank_gradient(tiny_model_dir, batch, layout):
+    # "packed_unequal": one rank's budget gives it fewer micro-batches; it must split into as many as
+    # the other's (FSDP2 runs collectives in every pass), else this would hang until the timeout.
+    overrides = {
+        "padded": {},
+        "shared": {"share_prompts": True},
+        "packed": {"pack_tokens": 40},
+        "packed_unequal": {"pack_tokens": _budget_with_unequal_micro_batches(batch)},
+    }[layout]
     grads, metrics, norm = run_distributed(
         _grad_worker, NUM_TRAINERS, str(tiny_model_dir), batch, overrides, timeout_s=240
     )[0]

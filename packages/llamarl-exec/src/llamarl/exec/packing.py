@@ -13,6 +13,7 @@ any work on padding. The LM head runs only at the K positions that predict a com
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +52,31 @@ def token_budget_rows(lengths: list[int], budget: int) -> list[slice]:
     if first < len(lengths):
         rows.append(slice(first, len(lengths)))
     return rows
+
+
+def balanced_rows(lengths: list[int], num_parts: int) -> list[slice]:
+    """Splits sequences, in order, into exactly `num_parts` non-empty consecutive micro-batches of about
+    equal tokens (cut where the running token count crosses each 1/num_parts of the total).
+
+    Used when FSDP2 ranks must run the same number of micro-batches (each runs the same collectives)
+    and a rank's own token budget gave it fewer than another rank's.
+    """
+    if not 1 <= num_parts <= len(lengths):
+        raise ValueError(f"cannot split {len(lengths)} sequences into {num_parts} non-empty parts")
+    total = sum(lengths)
+    cuts: list[int] = []
+    running = 0
+    for i, length in enumerate(lengths[:-1]):
+        running += length
+        part = len(cuts) + 1  # cutting after sequence i ends this part
+        if part == num_parts:
+            break
+        crossed = running * num_parts >= total * part
+        only_enough_left = len(lengths) - (i + 1) == num_parts - part  # one sequence per part left
+        if crossed or only_enough_left:
+            cuts.append(i + 1)
+    bounds = [0, *cuts, len(lengths)]
+    return [slice(a, b) for a, b in itertools.pairwise(bounds)]
 
 
 def pack(

@@ -71,6 +71,11 @@ def all_reduce_max(values: list[float], group: dist.ProcessGroup | None) -> list
     return t.tolist()
 
 
+def all_reduce_min(values: list[float], group: dist.ProcessGroup | None) -> list[float]:
+    """The elementwise minimum of `values` over the group's ranks."""
+    return [-v for v in all_reduce_max([-v for v in values], group)]
+
+
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """A DTensor gathered whole (a collective over its mesh), or the tensor as is."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t

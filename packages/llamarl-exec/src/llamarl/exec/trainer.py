@@ -44,7 +44,7 @@ from llamarl.algo import (
 )
 from llamarl.exec import packing
 from llamarl.exec.models import load_model_and_tokenizer, resolve_dtype
-from llamarl.exec.parallel import all_reduce_max, all_reduce_sum, full_tensor, shard_model
+from llamarl.exec.parallel import all_reduce_max, all_reduce_min, all_reduce_sum, full_tensor, shard_model
 from llamarl.exec.schedules import LR_SCHEDULES, lr_factor
 from llamarl.exec.types import RolloutBatch
 
@@ -333,7 +333,14 @@ class PolicyTrainer:
         """Consecutive rows per micro-batch: `micro_batch_size` sequences, or a token budget when packing."""
         if self.config.pack_tokens:
             lengths = packing.sequence_lengths(batch.prompt_mask_BP, batch.completion_mask_BC)
-            return packing.token_budget_rows(lengths, self.config.pack_tokens)
+            rows = packing.token_budget_rows(lengths, self.config.pack_tokens)
+            # FSDP2 ranks must run the same number of forward/backward passes (each one gathers and
+            # reduces over the group): the ranks whose budget gave fewer micro-batches split evenly
+            # into as many as the rank that needs the most.
+            (most,) = all_reduce_max([len(rows)], self.group)
+            if len(rows) < most:
+                rows = packing.balanced_rows(lengths, int(most))
+            return rows
         size = self.config.micro_batch_size
         return [slice(first, first + size) for first in range(0, batch.num_sequences, size)]
 
@@ -425,7 +432,12 @@ class PolicyTrainer:
         completion_mask_MC = completion_mask_MC[:, :length]
         model = self.model if model is None else model
 
-        if self._can_share_prompts(prompt_ids_MP, prompt_mask_MP, group_size):
+        # Sharing runs two forward passes (one when every completion has a single token), the full path
+        # one; under FSDP2 every rank must run the same passes, so all must agree to share.
+        shareable = self._can_share_prompts(prompt_ids_MP, prompt_mask_MP, group_size) and length > 1
+        if self.is_sharded:
+            shareable = all_reduce_min([float(shareable)], self.group)[0] > 0
+        if shareable:
             logits_MCV = self._shared_prompt_logits(
                 prompt_ids_MP, prompt_mask_MP, completion_ids_MC, completion_mask_MC, group_size, model
             )
