@@ -77,8 +77,11 @@ def _config(model: str, layout: str, args) -> TrainerConfig:
     return TrainerConfig(model=model, micro_batch_size=args.micro_batch_size, **settings)
 
 
-def _time_steps(trainer: PolicyTrainer, batch: RolloutBatch, repeats: int, barrier=None) -> float:
-    trainer.train_step(batch)  # warm-up: allocator, optimizer state, FSDP2 lazy init
+def _time_steps(
+    trainer: PolicyTrainer, batch: RolloutBatch, repeats: int, warmup: bool, barrier=None
+) -> float:
+    if warmup:
+        trainer.train_step(batch)  # allocator, optimizer state, FSDP2 lazy init
     if barrier:
         barrier()
     start = time.perf_counter()
@@ -95,7 +98,8 @@ def _two_rank_case(rank: int, world_size: int, rdv, model: str, layout: str, bat
     dist.init_process_group("gloo", init_method=rdv.init_method, rank=rank, world_size=world_size)
     trainer = PolicyTrainer(_config(model, layout, args), group=dist.group.WORLD)
     trainer.setup()
-    seconds = _time_steps(trainer, batch.data_parallel_part(rank, world_size), args.repeats, dist.barrier)
+    part = batch.data_parallel_part(rank, world_size)
+    seconds = _time_steps(trainer, part, args.repeats, args.warmup, dist.barrier)
     trainer.close()
     return seconds
 
@@ -109,7 +113,10 @@ def main() -> None:
     parser.add_argument("--even", dest="uneven", action="store_false", help="every completion max long")
     parser.add_argument("--micro-batch-size", type=int, default=4, help="sequences per padded micro-batch")
     parser.add_argument("--pack-tokens", type=int, default=2048, help="token budget of a packed micro-batch")
-    parser.add_argument("--repeats", type=int, default=1, help="timed steps after one warm-up step")
+    parser.add_argument("--repeats", type=int, default=1, help="timed steps")
+    parser.add_argument(
+        "--no-warmup", dest="warmup", action="store_false", help="time the first step too (saves a step)"
+    )
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2], choices=[1, 2])
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     parser.add_argument("--json", help="also write the results here")
@@ -129,9 +136,10 @@ def main() -> None:
     completion = batch.num_completion_tokens
     real = completion + int(batch.prompt_mask_BP.sum())
     padded = batch.num_sequences * (batch.prompt_ids_BP.shape[1] + batch.completion_ids_BC.shape[1])
+    shortest = int(batch.completion_mask_BC.sum(1).min())
     print(
-        f"batch: {batch.num_sequences} sequences, prompts <= {batch.prompt_ids_BP.shape[1]} tokens, completions "
-        f"{int(batch.completion_mask_BC.sum(1).min())}..{batch.completion_ids_BC.shape[1]} tokens; "
+        f"batch: {batch.num_sequences} sequences, prompts <= {batch.prompt_ids_BP.shape[1]} tokens, "
+        f"completions {shortest}..{batch.completion_ids_BC.shape[1]} tokens; "
         f"{completion} completion tokens, {real} real tokens, {padded} padded positions"
     )
     results = []
@@ -141,7 +149,7 @@ def main() -> None:
                 torch.set_num_threads(args.threads)
                 trainer = PolicyTrainer(_config(model, layout, args))
                 trainer.setup()
-                seconds = _time_steps(trainer, batch, args.repeats)
+                seconds = _time_steps(trainer, batch, args.repeats, args.warmup)
                 trainer.close()
             else:
                 seconds = run_distributed(
