@@ -21,7 +21,9 @@ from llamarl.algo import (
     get_policy_loss,
 )
 from llamarl.control import TASKS, ConfigError, DataError, RunConfig, RunFailed, launch, load_examples
+from llamarl.control.config import KL_ESTIMATOR_NAMES
 from llamarl.control.tasks import hub_unavailable_reason
+from llamarl.exec.schedules import LR_SCHEDULES
 
 CUDA_DEFAULT_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
 EMBEDDED_DATA = Path(__file__).resolve().parent / "data"  # compressed copies shipped with the apps
@@ -91,9 +93,27 @@ def build_parser(task: str) -> argparse.ArgumentParser:
         help="correct the generator/trainer log-prob mismatch by importance sampling (off by default)",
     )
     p.add_argument("--mismatch-cap", type=float, default=2.0, help="cap of the --mismatch-is weights")
-    p.add_argument("--lr", type=float, default=defaults.lr)
+    p.add_argument("--lr", type=float, default=defaults.lr, help="peak learning rate")
+    p.add_argument("--lr-schedule", choices=list(LR_SCHEDULES), default=defaults.lr_schedule)
+    p.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps, help="linear lr warmup")
     p.add_argument("--micro-batch-size", type=int, default=defaults.micro_batch_size)
+    p.add_argument(
+        "--pack-tokens",
+        type=int,
+        default=defaults.pack_tokens,
+        help="pack trainer micro-batches up to this many tokens, no padding (0: padded rows)",
+    )
     p.add_argument("--max-grad-norm", type=float, default=defaults.max_grad_norm)
+    p.add_argument(
+        "--kl-coef", type=float, default=defaults.kl_coef, help="KL penalty to a frozen reference (0: none)"
+    )
+    p.add_argument("--kl-estimator", choices=list(KL_ESTIMATOR_NAMES), default=defaults.kl_estimator)
+    p.add_argument(
+        "--activation-checkpointing", action="store_true", help="recompute activations in backward"
+    )
+    p.add_argument(
+        "--num-trainers", type=int, default=defaults.num_trainers, help="trainer ranks (FSDP2 over them)"
+    )
     p.add_argument("--num-generators", type=int, default=defaults.num_generators, help="generator ranks")
     p.add_argument(
         "--nnodes", type=int, default=defaults.nnodes, help="machines (run the same command on each)"
@@ -154,8 +174,15 @@ def config_from_args(task: str, args: argparse.Namespace, model: str) -> RunConf
         loss_hparams=_loss_hparams(args.loss_arg)
         | ({"mismatch_is": args.mismatch_is, "mismatch_cap": args.mismatch_cap} if args.mismatch_is else {}),
         lr=args.lr,
+        lr_schedule=args.lr_schedule,
+        warmup_steps=args.warmup_steps,
         micro_batch_size=args.micro_batch_size,
+        pack_tokens=args.pack_tokens,
         max_grad_norm=args.max_grad_norm,
+        kl_coef=args.kl_coef,
+        kl_estimator=args.kl_estimator,
+        activation_checkpointing=args.activation_checkpointing,
+        num_trainers=args.num_trainers,
         num_generators=args.num_generators,
         nnodes=args.nnodes,
         rdzv_endpoint=args.rdzv_endpoint,

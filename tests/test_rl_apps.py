@@ -139,6 +139,39 @@ def test_arith_app_evaluates_greedy_and_sampled_with_a_paired_interval(tiny_mode
     assert step_3 == pytest.approx(expected, abs=0.25)
 
 
+@pytest.mark.timeout(600)
+def test_app_trains_on_two_fsdp2_trainer_ranks(tiny_model_dir, gsm8k_dir, tmp_path):
+    """Ranks 0-1 train under FSDP2 (packed micro-batches, a KL-penalised reference, cosine schedule),
+    rank 2 generates; the final model is gathered from the shards and saved."""
+    out = tmp_path / "fsdp2"
+    args = [a for a in common_args(tiny_model_dir, gsm8k_dir, out) if a != "--no-save-model"]
+    result = run_app(
+        "gsm8k_rl", *args, "--num-trainers", "2", "--no-wandb", "--pack-tokens", "64",
+        "--kl-coef", "0.1", "--lr-schedule", "cosine", "--warmup-steps", "1",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["num_trainers"] == 2 and summary["final_policy_version"] == 3
+    assert summary["weight_sync_s"] > 0 and len(summary["peak_rss_mb_per_rank"]) == 3
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["policy/lag"] for m in steps] == [0.0, 1.0, 1.0]
+    # Metrics are of the whole batch (both ranks): every generated token was trained on.
+    assert [m["train/num_valid_tokens"] for m in steps] == [m["train/num_completion_tokens"] for m in steps]
+    assert all("train/kl_k3" in m for m in steps)
+    lrs = [m["train/lr"] for m in steps]
+    assert lrs[0] < lrs[1] and lrs[2] < lrs[1]  # warmup, then cosine decay
+    assert {p.name for p in out.glob("samples.rank*.jsonl")} == {"samples.rank2.jsonl"}
+    from transformers import AutoModelForCausalLM
+
+    # Whole tensors, not shards. (The tiny model earns no reward, so the policy itself does not move.)
+    saved = AutoModelForCausalLM.from_pretrained(out / "final_model").state_dict()
+    initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    assert {k: v.shape for k, v in saved.items()} == {k: v.shape for k, v in initial.items()}
+    # The trace has a lane per rank, both trainer ranks included.
+    _, roles = read_chrome_trace(out / "trace.json")
+    assert roles == {0: "rank 0 trainer 0", 1: "rank 1 trainer 1", 2: "rank 2 generator 2"}
+
+
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("fault", ["1:1", "0:2", "1:1:kill"])
 def test_a_failing_rank_ends_the_run_with_its_error_once(tiny_model_dir, gsm8k_dir, tmp_path, fault):
@@ -168,6 +201,7 @@ def test_a_failing_rank_ends_the_run_with_its_error_once(tiny_model_dir, gsm8k_d
         (["--mode", "fast"], "argument --mode: invalid choice"),
         (["--prompts-per-step", "3", "--num-generators", "2"], "must be a multiple of num_generators"),
         (["--loss-arg", "rho"], "--loss-arg expects KEY=NUMBER"),
+        (["--prompts-per-step", "3", "--num-trainers", "2"], "must be a multiple of num_trainers"),
     ],
 )
 def test_bad_flags_end_in_one_line(tiny_model_dir, gsm8k_dir, tmp_path, args, message):

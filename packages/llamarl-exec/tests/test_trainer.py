@@ -109,3 +109,71 @@ def test_prompt_sharing_falls_back_when_a_group_is_split(tiny_model_dir, batch):
     # Rows 0..2 hold one whole group and half of the next: not shareable, so the full forward runs.
     assert not trainer._can_share_prompts(batch.prompt_ids_BP[:3], batch.prompt_mask_BP[:3], batch.group_size)
     assert not trainer._can_share_prompts(batch.prompt_ids_BP[1:3], batch.prompt_mask_BP[1:3], 2)
+
+
+def test_packed_micro_batches_match_the_padded_path(tiny_model_dir, batch):
+    """Packing the real tokens into one row per micro-batch gives the padded path's log-probs, loss and
+    gradients (the same function of the same tokens; only the order of float sums differs)."""
+    lengths = batch.completion_mask_BC.sum(1)
+    assert lengths.min() < lengths.max(), "the rollout should have uneven completion lengths"
+    padded = _trainer(tiny_model_dir, micro_batch_size=2, share_prompts=False)
+    packed = _trainer(tiny_model_dir, pack_tokens=24)  # a few sequences per row, several rows
+    rows = packed._micro_batch_rows(batch)
+    assert len(rows) > 1 and any(r.stop - r.start > 1 for r in rows)  # several rows, some packed
+    torch.testing.assert_close(
+        packed.compute_logprobs(batch), padded.compute_logprobs(batch), rtol=1e-5, atol=1e-5
+    )
+    padded_metrics = padded.accumulate_gradients(batch)
+    packed_metrics = packed.accumulate_gradients(batch)
+    assert packed_metrics["loss"] == pytest.approx(padded_metrics["loss"], rel=1e-5, abs=1e-7)
+    assert packed_metrics["num_valid_tokens"] == padded_metrics["num_valid_tokens"]
+    for (name, p_packed), p_padded in zip(
+        packed.model.named_parameters(), padded.model.parameters(), strict=True
+    ):
+        torch.testing.assert_close(p_packed.grad, p_padded.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_token_budget_keeps_order_and_isolates_long_sequences():
+    from llamarl.exec.packing import token_budget_rows
+
+    assert token_budget_rows([3, 4, 2, 9, 1, 1], 7) == [slice(0, 2), slice(2, 3), slice(3, 4), slice(4, 6)]
+    assert token_budget_rows([], 5) == []
+    with pytest.raises(ValueError):
+        token_budget_rows([1], 0)
+
+
+def test_balanced_rows_give_exactly_the_parts_asked():
+    from llamarl.exec.packing import balanced_rows
+
+    assert balanced_rows([5, 5, 5, 5], 2) == [slice(0, 2), slice(2, 4)]
+    assert balanced_rows([100, 1, 1, 1], 3) == [slice(0, 1), slice(1, 2), slice(2, 4)]
+    assert balanced_rows([1, 1, 1, 100], 3) == [slice(0, 2), slice(2, 3), slice(3, 4)]  # 100 alone
+    assert balanced_rows([3, 3, 3], 3) == [slice(0, 1), slice(1, 2), slice(2, 3)]
+    assert balanced_rows([7, 2], 1) == [slice(0, 2)]
+    with pytest.raises(ValueError):
+        balanced_rows([1, 2], 3)
+
+
+def test_kl_penalty_to_a_frozen_reference(tiny_model_dir, batch):
+    """The reference starts equal to the policy (KL 0), stays frozen, and the KL grows as the policy moves."""
+    trainer = _trainer(tiny_model_dir, micro_batch_size=3, kl_coef=0.5, kl_estimator="k3")
+    plain = _trainer(tiny_model_dir, micro_batch_size=3)
+    ref_before = [p.detach().clone() for p in trainer.ref_model.parameters()]
+    first = trainer.train_step(batch)
+    assert first["kl_k3"] == pytest.approx(0.0, abs=1e-6)
+    assert first["loss"] == pytest.approx(plain.train_step(batch)["loss"], rel=1e-5, abs=1e-7)
+    second = trainer.train_step(batch)
+    assert second["kl_k3"] > 1e-6
+    assert all(not p.requires_grad for p in trainer.ref_model.parameters())
+    for before, after in zip(ref_before, trainer.ref_model.parameters(), strict=True):
+        assert torch.equal(before, after)
+    # The penalty is in the loss: same step without it differs by kl_coef * KL.
+    assert second["loss"] != pytest.approx(plain.train_step(batch)["loss"], rel=1e-6)
+
+
+def test_lr_schedule_warms_up_then_decays(tiny_model_dir, batch):
+    trainer = _trainer(
+        tiny_model_dir, micro_batch_size=6, lr=1e-3, lr_schedule="linear", warmup_steps=2, total_steps=4
+    )
+    lrs = [trainer.train_step(batch)["lr"] for _ in range(5)]
+    assert lrs == pytest.approx([1e-3 / 3, 2e-3 / 3, 1e-3, 5e-4, 0.0])

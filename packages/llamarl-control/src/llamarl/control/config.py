@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from llamarl.exec.schedules import LR_SCHEDULES
+
+KL_ESTIMATOR_NAMES = ("k1", "k2", "k3")  # llamarl.algo.kl's estimators (control does not import algo)
+
 
 class ConfigError(ValueError):
     """A configuration that cannot run; the message says which setting to change."""
@@ -36,13 +40,20 @@ class RunConfig:
     loss: str = "aipo"  # policy loss
     advantage: str = "group_mean"  # advantage estimator
     loss_hparams: dict[str, float | str] = field(default_factory=dict)  # e.g. {"rho": 4.0}
-    lr: float = 3e-6  # AdamW learning rate
+    lr: float = 3e-6  # AdamW peak learning rate
+    lr_schedule: str = "constant"  # after warmup: "constant", "linear" or "cosine" decay to 0 at `steps`
+    warmup_steps: int = 0  # optimizer steps of linear learning-rate warmup
     weight_decay: float = 0.0  # AdamW weight decay
-    micro_batch_size: int = 4  # sequences per forward/backward pass on the trainer
-    max_grad_norm: float = 1.0  # gradient clipping threshold
+    micro_batch_size: int = 4  # sequences per forward/backward pass on the trainer (padded rows)
+    pack_tokens: int = 0  # > 0: packed trainer micro-batches of at most this many tokens, no padding
+    max_grad_norm: float = 1.0  # gradient clipping threshold (on the global norm over trainer ranks)
+    kl_coef: float = 0.0  # > 0: KL penalty to a frozen reference policy held by the trainer ranks
+    kl_estimator: str = "k3"  # "k1", "k2" or "k3"
+    activation_checkpointing: bool = False  # recompute activations in backward: less memory, more compute
 
     # Ranks and devices.
-    num_generators: int = 1  # generator ranks (data-parallel replicas); the trainer is rank 0
+    num_trainers: int = 1  # trainer ranks 0..N-1 (FSDP2 over them when N > 1, or on CUDA); rank 0 logs
+    num_generators: int = 1  # generator ranks N..N+G-1 (data-parallel replicas)
     nnodes: int = 1  # machines; ranks are spread evenly over them by torch elastic
     rdzv_endpoint: str | None = None  # host:port of the rendezvous for nnodes > 1
     device: str = "auto"  # "auto" (CUDA when present), "cpu" or "cuda"
@@ -58,7 +69,7 @@ class RunConfig:
 
     @property
     def world_size(self) -> int:
-        return 1 + self.num_generators
+        return self.num_trainers + self.num_generators
 
     def validate(self) -> None:
         """Raises ConfigError with the setting to fix."""
@@ -68,6 +79,7 @@ class RunConfig:
             "samples_per_prompt": self.samples_per_prompt,
             "max_new_tokens": self.max_new_tokens,
             "micro_batch_size": self.micro_batch_size,
+            "num_trainers": self.num_trainers,
             "num_generators": self.num_generators,
             "nnodes": self.nnodes,
             "max_policy_lag": self.max_policy_lag,
@@ -89,6 +101,21 @@ class RunConfig:
             raise ConfigError(
                 f"prompts_per_step ({self.prompts_per_step}) must be a multiple of num_generators "
                 f"({self.num_generators})"
+            )
+        if self.prompts_per_step % self.num_trainers:
+            raise ConfigError(
+                f"prompts_per_step ({self.prompts_per_step}) must be a multiple of num_trainers "
+                f"({self.num_trainers}): each trainer rank takes whole groups of samples"
+            )
+        if self.pack_tokens < 0 or self.warmup_steps < 0 or self.kl_coef < 0:
+            raise ConfigError("pack_tokens, warmup_steps and kl_coef must be 0 or more")
+        if self.kl_estimator not in KL_ESTIMATOR_NAMES:
+            raise ConfigError(
+                f"kl_estimator must be one of {', '.join(KL_ESTIMATOR_NAMES)}, got {self.kl_estimator!r}"
+            )
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ConfigError(
+                f"lr_schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}"
             )
         if self.world_size % self.nnodes:
             raise ConfigError(f"{self.world_size} ranks cannot be spread evenly over {self.nnodes} nodes")

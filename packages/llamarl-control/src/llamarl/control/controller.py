@@ -1,11 +1,14 @@
 """The single controller: the SPMD tick loop that every rank runs.
 
-Rank 0 is the trainer (and logs metrics); ranks 1..G are generators, each scoring its own completions
-with a rewarder in worker processes. In every tick the channels first move what the previous tick
-produced (rollouts generator -> trainer, weights trainer -> generator), then every executor does its
-own step. In `async` mode generation and training of a tick run at the same time on their own ranks, so
-the trainer learns from rollouts sampled by the previous policy version; `sync` mode runs the same
-pieces in sequence (generate, score, train, sync): the synchronous baseline on the same work.
+Ranks 0..N-1 are the trainer (FSDP2 over their own process group when N > 1; rank 0 logs metrics);
+ranks N..N+G-1 are generators, each scoring its own completions with a rewarder in worker processes.
+Each trainer rank trains on its own part of every batch (whole groups of samples), and each sends its
+own weight shards to the generators (llamarl.comm, no gather). In every tick the channels first move
+what the previous tick produced (rollouts generator -> trainer, weights trainer -> generator), then
+every executor does its own step. In `async` mode generation and training of a tick run at the same
+time on their own ranks, so the trainer learns from rollouts sampled by the previous policy version;
+`sync` mode runs the same pieces in sequence (generate, score, train, sync): the synchronous baseline
+on the same work.
 """
 
 from __future__ import annotations
@@ -27,7 +30,14 @@ from llamarl.comm import WeightReceiver, WeightSender, WeightSyncGroup
 from llamarl.control.channels import concat_rollouts, recv_rollouts, send_rollouts
 from llamarl.control.config import RunConfig
 from llamarl.control.evaluation import EvalResult, paired_delta_ci
-from llamarl.control.executors import build_generator, build_rewarder, build_trainer, load_tokenizer
+from llamarl.control.executors import (
+    build_generator,
+    build_rewarder,
+    build_trainer,
+    load_tokenizer,
+    trainer_uses_fsdp,
+    weight_wire_dtype,
+)
 from llamarl.control.metrics import MetricsLogger
 from llamarl.control.net import free_port
 from llamarl.control.report import write_report
@@ -35,7 +45,7 @@ from llamarl.control.tasks import TASKS, Example
 from llamarl.control.timeline import Timeline, write_chrome_trace
 from llamarl.exec.types import RolloutBatch
 
-TRAINER_RANK = 0
+TRAINER_RANK = 0  # the first trainer rank: receives rollouts, logs metrics, writes the summary
 EVAL_CHUNK = 32  # prompts per greedy generate call during evaluation
 FAULT_ENV = "LLAMARL_FAULT"  # "RANK:TICK" raises on that rank at that tick, "RANK:TICK:kill" kills it
 
@@ -57,9 +67,11 @@ class Controller:
         self.output_dir = Path(config.output_dir)
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        self.is_trainer = self.rank == TRAINER_RANK
-        self.generator_ranks = list(range(1, self.world_size))
-        self.generator_index = self.rank - 1  # this rank's index among generators (-1 on the trainer)
+        self.trainer_ranks = list(range(config.num_trainers))
+        self.is_trainer = self.rank in self.trainer_ranks
+        self.is_logger = self.rank == TRAINER_RANK
+        self.generator_ranks = list(range(config.num_trainers, self.world_size))
+        self.generator_index = self.rank - config.num_trainers  # index among generators (<0 on trainers)
         self._prompt_order = list(range(len(train_examples)))
         random.Random(config.seed).shuffle(self._prompt_order)
         self._prompt_ids: dict[int, list[int]] = {}
@@ -83,8 +95,11 @@ class Controller:
         device = _device(cfg.device)
         torch.manual_seed(cfg.seed + self.rank)
         self.tokenizer = load_tokenizer(cfg.model)
+        trainer_group = self._new_trainer_group()
         if self.is_trainer:
-            self.trainer = build_trainer(cfg, device)
+            self.trainer = build_trainer(
+                cfg, device, trainer_group if trainer_uses_fsdp(cfg, device) else None
+            )
             self.trainer.setup()
             weights = self.trainer.model
         else:
@@ -94,7 +109,7 @@ class Controller:
             weights = self.generator.model
         # The weight-sync group has its own store on a port chosen by the trainer: it never depends on
         # the default process group, which here only carries rollouts and small control messages.
-        port = torch.tensor([free_port() if self.is_trainer else 0], dtype=torch.int64)
+        port = torch.tensor([free_port() if self.is_logger else 0], dtype=torch.int64)
         dist.broadcast(port, TRAINER_RANK)
         self.weight_group = WeightSyncGroup(
             host=os.environ.get("MASTER_ADDR", "127.0.0.1"),
@@ -105,7 +120,11 @@ class Controller:
         )
         bucket_bytes = cfg.weight_bucket_mb << 20
         if self.is_trainer:
-            self.sender = WeightSender(self.weight_group, weights, bucket_bytes=bucket_bytes)
+            # Every trainer rank is a source: with FSDP2 each sends the slices its shards hold.
+            self.sender = WeightSender(
+                self.weight_group, weights, bucket_bytes=bucket_bytes, wire_dtype=weight_wire_dtype(device)
+            )
+        if self.is_logger:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             self.logger = MetricsLogger(
                 output_dir=self.output_dir,
@@ -113,9 +132,14 @@ class Controller:
                 config=_plain(cfg),
                 wandb_project=cfg.wandb_project if cfg.wandb else None,
             )
-        else:
+        if not self.is_trainer:
             self.receiver = WeightReceiver(self.weight_group, weights, src_rank=TRAINER_RANK)
             self._samples = (self.output_dir / f"samples.rank{self.rank}.jsonl").open("a", encoding="utf-8")
+
+    def _new_trainer_group(self) -> dist.ProcessGroup:
+        """The trainer ranks' own process group (FSDP2 and the trainer's all-reduces run on it, never
+        involving the generators). Every rank must take part in creating it, members or not."""
+        return dist.new_group(self.trainer_ranks)
 
     def close(self) -> None:
         """Releases executors and groups; safe to call after a partial setup."""
@@ -164,11 +188,13 @@ class Controller:
         loop_s = self._loop_clock() - loop_start
         self._tick = -1
         if self.is_trainer and cfg.save_model:
-            _save_model(self.trainer.model, self.tokenizer, self.output_dir / "final_model")
+            state_dict = self.trainer.full_state_dict()  # a collective over the trainer ranks
+            if self.is_logger:
+                _save_model(self.trainer.model, self.tokenizer, self.output_dir / "final_model", state_dict)
         self._evaluate("end")
         peak_rss_mb = self._gather_peak_rss_mb()
         self._write_trace()
-        if not self.is_trainer:
+        if not self.is_logger:
             return None
         summary = self._summary(
             run_s=time.perf_counter() - run_start,
@@ -227,7 +253,8 @@ class Controller:
         self._pending = (batch, metrics)
 
     def _move_rollouts(self) -> None:
-        """Generators send the batch they made; the trainer receives one from each generator."""
+        """Generators send the batch they made to the first trainer rank, which keeps its own part and
+        sends every other trainer rank its part (whole groups; see `_split_across_trainers`)."""
         with self.timeline.phase("rollouts", self._tick):
             self._exchange_rollouts()
 
@@ -236,6 +263,9 @@ class Controller:
             assert self._pending is not None, "no batch to send"
             send_rollouts(*self._pending, dst=TRAINER_RANK)
             self._pending = None
+            return
+        if not self.is_logger:
+            self._received = recv_rollouts(src=TRAINER_RANK)
             return
         parts = [recv_rollouts(src=r) for r in self.generator_ranks]
         batch = concat_rollouts([b for b, _ in parts])
@@ -246,7 +276,15 @@ class Controller:
             "num_completion_tokens": tokens,
             "reward_mean": float(batch.rewards_B.mean()),
         }
-        self._received = (batch, metrics)
+        self._received = (self._split_across_trainers(batch, metrics), metrics)
+
+    def _split_across_trainers(self, batch: RolloutBatch, metrics: dict[str, float]) -> RolloutBatch:
+        """Sends trainer rank r its part r of `batch` (metrics of the whole batch go along); returns
+        this rank's part. Rollouts are small next to weights, so one rank relays them."""
+        num_trainers = len(self.trainer_ranks)
+        for r in self.trainer_ranks[1:]:
+            send_rollouts(batch.data_parallel_part(r, num_trainers), metrics, dst=r)
+        return batch.data_parallel_part(0, num_trainers)
 
     def _train(self) -> None:
         """Trainer: one optimizer step on the received batch, then log the step."""
@@ -262,7 +300,9 @@ class Controller:
             )
         start = time.perf_counter()
         with self.timeline.phase("train", self._tick):
-            train_metrics = self.trainer.train_step(batch)
+            train_metrics = self.trainer.train_step(batch)  # every trainer rank; metrics are global
+        if not self.is_logger:
+            return
         train_s = time.perf_counter() - start
         now = self._loop_clock()
         step_s = now - self._train_end_times[-1] if self._train_end_times else float("nan")
@@ -291,7 +331,7 @@ class Controller:
         """Trainer sends its current weights; every generator receives them and takes their version."""
         start = time.perf_counter()
         with self.timeline.phase("weight_sync", self._tick):
-            if self.is_trainer:
+            if self.is_trainer:  # every trainer rank sends its shards
                 self.sender.send(self.trainer.policy_version)
                 self._last_sync_s = time.perf_counter() - start
             else:
@@ -351,7 +391,7 @@ class Controller:
             greedy_Q=greedy_Q.tolist(),
             sampled_Q=sampled_Q.tolist() if cfg.eval_samples else None,
         )
-        if self.is_trainer:
+        if self.is_logger:
             sampled = f", sampled {result.sampled_accuracy:.3f}" if result.has_samples else ""
             self.logger.write(
                 f"eval ({when}, policy_version {result.policy_version}): greedy accuracy "
@@ -409,10 +449,15 @@ class Controller:
 
     def _write_trace(self) -> None:
         """Gathers every rank's phases on the trainer, which writes OUTPUT_DIR/trace.json."""
-        gathered: list[list] | None = [[] for _ in range(self.world_size)] if self.is_trainer else None
+        gathered: list[list] | None = [[] for _ in range(self.world_size)] if self.is_logger else None
         dist.gather_object(self.timeline.spans, gathered, dst=TRAINER_RANK)
-        if self.is_trainer:
-            roles = ["trainer" if r == TRAINER_RANK else f"generator {r}" for r in range(self.world_size)]
+        if self.is_logger:
+            roles = [
+                ("trainer" if len(self.trainer_ranks) == 1 else f"trainer {r}")
+                if r in self.trainer_ranks
+                else f"generator {r}"
+                for r in range(self.world_size)
+            ]
             write_chrome_trace(self.output_dir / "trace.json", gathered, roles)
 
     def _gather_peak_rss_mb(self) -> list[float]:
@@ -441,6 +486,7 @@ class Controller:
             "task": cfg.task,
             "model": cfg.model,
             "steps": len(records),
+            "num_trainers": cfg.num_trainers,
             "num_generators": cfg.num_generators,
             "wall_s": run_s,  # replaced by the launcher with the whole command's wall time
             "run_s": run_s,  # evaluations and training on the ranks, after setup
@@ -483,13 +529,14 @@ def _eval_summary(history: list[EvalResult]) -> dict[str, Any]:
     return summary
 
 
-def _save_model(model: torch.nn.Module, tokenizer, path: Path) -> None:
-    """Writes the policy as a transformers folder, atomically: a crash never leaves half a model."""
+def _save_model(model: torch.nn.Module, tokenizer, path: Path, state_dict: dict[str, torch.Tensor]) -> None:
+    """Writes the policy (its gathered `state_dict`) as a transformers folder, atomically: a crash
+    never leaves half a model."""
     import shutil
 
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
+    model.save_pretrained(tmp, state_dict=state_dict)
     tokenizer.save_pretrained(tmp)
     shutil.rmtree(path, ignore_errors=True)
     tmp.rename(path)

@@ -4,6 +4,7 @@ executor configs of llamarl.exec)."""
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from llamarl.control.config import RunConfig
 from llamarl.control.tasks import TASKS
@@ -31,23 +32,44 @@ def load_tokenizer(model: str):
     return tokenizer
 
 
-def build_trainer(config: RunConfig, device: torch.device) -> PolicyTrainer:
+def trainer_uses_fsdp(config: RunConfig, device: torch.device) -> bool:
+    """FSDP2 with several trainer ranks, and on CUDA always (its mixed precision keeps fp32 master
+    weights while computing in bf16); one CPU rank trains the plain module, in fp32."""
+    return config.num_trainers > 1 or device.type == "cuda"
+
+
+def build_trainer(config: RunConfig, device: torch.device, group: dist.ProcessGroup | None) -> PolicyTrainer:
+    """The trainer of this rank; `group` (the trainer ranks' group) when `trainer_uses_fsdp`, else None."""
     return PolicyTrainer(
         TrainerConfig(
             model=config.model,
-            dtype=_dtype(device),
+            dtype="float32",  # master weights and optimizer state
+            param_dtype="bfloat16" if device.type == "cuda" else None,  # compute dtype (FSDP2)
             device=str(device),
             lr=config.lr,
+            lr_schedule=config.lr_schedule,
+            warmup_steps=config.warmup_steps,
+            total_steps=config.steps,
             weight_decay=config.weight_decay,
             micro_batch_size=config.micro_batch_size,
+            pack_tokens=config.pack_tokens,
             max_grad_norm=config.max_grad_norm,
             temperature=config.temperature,
             loss=config.loss,
             loss_hparams=dict(config.loss_hparams),
             advantage=config.advantage,
+            kl_coef=config.kl_coef,
+            kl_estimator=config.kl_estimator,
+            gradient_checkpointing=config.activation_checkpointing,
             seed=config.seed,
-        )
+        ),
+        group=group,
     )
+
+
+def weight_wire_dtype(device: torch.device) -> torch.dtype | None:
+    """The dtype weights travel in: the generators' (bf16 on CUDA, from fp32 master weights), else as held."""
+    return torch.bfloat16 if _dtype(device) == "bfloat16" else None
 
 
 def build_generator(config: RunConfig, device: torch.device, *, seed: int) -> HFGenerator:

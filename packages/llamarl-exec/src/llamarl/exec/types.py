@@ -40,6 +40,23 @@ class RolloutBatch:
     def num_completion_tokens(self) -> int:
         return int(self.completion_mask_BC.sum())
 
+    def select(self, rows: slice) -> RolloutBatch:
+        """The batch of the sequences in `rows` (views; padding columns are kept)."""
+        return RolloutBatch(
+            **{name: t[rows] for name, t in self.tensors().items()}, group_size=self.group_size
+        )
+
+    def data_parallel_part(self, index: int, num_parts: int) -> RolloutBatch:
+        """Part `index` of `num_parts` equal, consecutive parts of whole groups (one per trainer rank).
+
+        Groups stay whole because advantages are computed within a group.
+        """
+        num_groups = self.num_sequences // self.group_size
+        if num_groups % num_parts:
+            raise ValueError(f"{num_groups} groups cannot be split evenly over {num_parts} trainer ranks")
+        rows = self.num_sequences // num_parts
+        return self.select(slice(index * rows, (index + 1) * rows))
+
     def tensors(self) -> dict[str, torch.Tensor]:
         """The tensor fields by name, in a fixed order."""
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "group_size"}

@@ -1,0 +1,155 @@
+"""PolicyTrainer on 2 trainer ranks (FSDP2 over gloo, one process each) against a single-rank trainer on
+the same batch: the same gradient, and after the same steps bitwise the same weights, read by a generator
+rank straight from the FSDP2 shards through llamarl.comm."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llamarl.comm.testing import run_distributed
+from llamarl.exec import HFGenerator, HFGeneratorConfig, PolicyTrainer, TrainerConfig
+from llamarl.exec.testing import TINY_EOS_TOKEN_ID
+
+pytestmark = pytest.mark.timeout(300)
+
+NUM_TRAINERS = 2
+PROMPTS = [[1, 5, 9, 13, 17], [1, 7], [1, 3, 4, 30, 31, 32, 33, 8], [1, 11, 12]]
+
+
+@pytest.fixture(scope="module")
+def batch(tiny_model_dir):
+    """4 prompts x 2 samples of the tiny model, uneven lengths, rewards 1 for the first of each pair."""
+    gen = HFGenerator(
+        HFGeneratorConfig(model=str(tiny_model_dir), seed=5, eos_token_ids=[TINY_EOS_TOKEN_ID, 50])
+    )
+    gen.setup()
+    rollout = gen.generate(PROMPTS, samples_per_prompt=2, max_new_tokens=10)
+    gen.close()
+    rollout.rewards_B = torch.tensor([1.0, 0.0, 0.0, 1.0] * 2)
+    return rollout
+
+
+def _config(model_dir: str, **overrides) -> TrainerConfig:
+    # Half the batch per micro-batch: the single-rank trainer's two micro-batches are the two ranks' parts.
+    config = dict(model=model_dir, lr=1e-2, seed=0, micro_batch_size=4, share_prompts=False)
+    config.update(overrides)
+    return TrainerConfig(**config)
+
+
+def _single_rank_grads(model_dir: str, batch) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    trainer = PolicyTrainer(_config(model_dir))
+    trainer.setup()
+    metrics = trainer.accumulate_gradients(batch)
+    return {n: p.grad.clone() for n, p in trainer.model.named_parameters()}, metrics
+
+
+def _grad_worker(rank: int, world_size: int, rdv, model_dir: str, batch, overrides: dict):
+    import torch.distributed as dist
+
+    from llamarl.exec.parallel import full_tensor
+
+    dist.init_process_group("gloo", init_method=rdv.init_method, rank=rank, world_size=world_size)
+    group = dist.new_group(list(range(NUM_TRAINERS)))  # the trainer ranks' own group, as in the app
+    trainer = PolicyTrainer(_config(model_dir, **overrides), group=group)
+    trainer.setup()
+    metrics = trainer.accumulate_gradients(batch.data_parallel_part(rank, NUM_TRAINERS))
+    grads = {n: full_tensor(p.grad) for n, p in trainer.model.named_parameters()}
+    norm = float(full_tensor(torch.nn.utils.clip_grad_norm_(trainer.model.parameters(), 1.0)))
+    return (grads, metrics, norm) if rank == 0 else None
+
+
+def _budget_with_unequal_micro_batches(batch) -> int:
+    """A token budget that gives the two ranks' parts different numbers of packed micro-batches."""
+    from llamarl.exec.packing import sequence_lengths, token_budget_rows
+
+    for budget in range(8, 80):
+        counts = set()
+        for rank in range(NUM_TRAINERS):
+            part = batch.data_parallel_part(rank, NUM_TRAINERS)
+            lengths = sequence_lengths(part.prompt_mask_BP, part.completion_mask_BC)
+            counts.add(len(token_budget_rows(lengths, budget)))
+        if len(counts) > 1:
+            return budget
+    raise AssertionError("no budget splits the parts unequally; change the batch")
+
+
+@pytest.mark.parametrize("layout", ["padded", "shared", "packed", "packed_unequal"])
+def test_two_rank_gradient_equals_the_single_rank_gradient(tiny_model_dir, batch, layout):
+    # "packed_unequal": one rank's budget gives it fewer micro-batches; it must split into as many as
+    # the other's (FSDP2 runs collectives in every pass), else this would hang until the timeout.
+    overrides = {
+        "padded": {},
+        "shared": {"share_prompts": True},
+        "packed": {"pack_tokens": 40},
+        "packed_unequal": {"pack_tokens": _budget_with_unequal_micro_batches(batch)},
+    }[layout]
+    grads, metrics, norm = run_distributed(
+        _grad_worker, NUM_TRAINERS, str(tiny_model_dir), batch, overrides, timeout_s=240
+    )[0]
+    expected, expected_metrics = _single_rank_grads(str(tiny_model_dir), batch)
+    assert set(grads) == set(expected)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-7, msg=name)
+    expected_norm = float(torch.nn.utils.get_total_norm(list(expected.values())))
+    assert norm == pytest.approx(expected_norm, rel=1e-5)
+    assert expected_norm > 0
+    for key in ("loss", "logprob_mean", "reward_mean", "ratio_mean", "ratio_max", "num_valid_tokens"):
+        assert metrics[key] == pytest.approx(expected_metrics[key], rel=1e-5, abs=1e-7), key
+
+
+NUM_STEPS = 2
+
+
+def _sync_worker(rank: int, world_size: int, rdv, model_dir: str, batch):
+    """Ranks 0..1 train under FSDP2 and send their shards; rank 2 holds a plain copy and receives them."""
+    import torch.distributed as dist
+
+    from llamarl.comm import WeightReceiver, WeightSender, WeightSyncGroup
+
+    dist.init_process_group("gloo", init_method=rdv.init_method, rank=rank, world_size=world_size)
+    group = dist.new_group(list(range(NUM_TRAINERS)))
+    sync_group = WeightSyncGroup(host=rdv.host, port=rdv.port, rank=rank, world_size=world_size, timeout_s=60)
+    # max_grad_norm large: clipping then scales by exactly 1.0, so the weights can agree bit for bit.
+    config = _config(model_dir, max_grad_norm=1e9)
+    if rank < NUM_TRAINERS:
+        trainer = PolicyTrainer(config, group=group)
+        trainer.setup()
+        sender = WeightSender(sync_group, trainer.model, bucket_bytes=4096)
+        part = batch.data_parallel_part(rank, NUM_TRAINERS)
+        for _ in range(NUM_STEPS):
+            trainer.train_step(part)
+            sender.send(trainer.policy_version)
+        return None
+    from transformers import AutoModelForCausalLM
+
+    generator_model = AutoModelForCausalLM.from_pretrained(model_dir)
+    receiver = WeightReceiver(sync_group, generator_model, src_rank=0)
+    for _ in range(NUM_STEPS):
+        version = receiver.receive()
+    received = {n: p.detach().clone() for n, p in generator_model.named_parameters()}
+    # What a single-rank trainer holds after the same steps on the whole batch, in this same process.
+    single = PolicyTrainer(config)
+    single.setup()
+    for _ in range(NUM_STEPS):
+        single.train_step(batch)
+    expected = {n: p.detach().clone() for n, p in single.model.named_parameters()}
+    initial = {n: p.detach().clone() for n, p in tiny_model_params(model_dir).items()}
+    return version, received, expected, initial
+
+
+def tiny_model_params(model_dir: str) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    return dict(AutoModelForCausalLM.from_pretrained(model_dir).named_parameters())
+
+
+def test_generator_receives_bitwise_the_single_rank_weights(tiny_model_dir, batch):
+    version, received, expected, initial = run_distributed(
+        _sync_worker, NUM_TRAINERS + 1, str(tiny_model_dir), batch, timeout_s=240
+    )[NUM_TRAINERS]
+    assert version == NUM_STEPS
+    assert set(received) == set(expected)
+    mismatched = [n for n in expected if not torch.equal(received[n], expected[n])]
+    assert not mismatched, mismatched
+    assert all(not torch.equal(expected[n], initial[n]) for n in expected)  # every weight did move
