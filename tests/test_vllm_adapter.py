@@ -10,7 +10,8 @@ test, run from the main suite, drives two processes in that environment:
 - tests/vllm_scripts/engine.py: serves the folder with `worker_extension_cls`, generates, joins the group
   through `collective_rpc("init_weight_sync")`, receives (`sync_weights`) and generates after each sync.
 
-Skipped only when no vLLM environment exists; a broken one fails. The other tests here need no vLLM
+Skipped only when no vLLM environment exists (failed instead under LLAMARL_REQUIRE_VLLM=1, as in CI); a
+broken one fails. The other tests here need no vLLM
 (this module imports the adapter in the main environment, where vLLM is not installed): they drive the
 worker extension's methods on a stand-in worker, in a real two-process gloo group.
 """
@@ -44,30 +45,10 @@ CHILD_TIMEOUT_S = 240.0  # generous: this machine is shared, and a loaded one ru
 
 
 def vllm_python() -> str:
-    """The vLLM environment's interpreter: $LLAMARL_VLLM_PYTHON, else <repo>/.venv-vllm/bin/python.
+    """The vLLM environment's interpreter (skips without one, fails instead under LLAMARL_REQUIRE_VLLM=1)."""
+    from llamarl.exec.testing import vllm_python_for_tests
 
-    An explicitly named interpreter must exist; the default one may be absent (then the test skips).
-    Whether vLLM really imports is left to the engine process, so a broken environment fails the test.
-    """
-    explicit = os.environ.get("LLAMARL_VLLM_PYTHON")
-    if explicit:
-        assert os.access(explicit, os.X_OK), f"LLAMARL_VLLM_PYTHON={explicit} is not an executable"
-        return explicit
-    default = REPO / ".venv-vllm" / "bin" / "python"
-    if not default.exists():
-        pytest.skip(f"no vLLM environment at {default} (build it with tools/setup_vllm_env.sh)")
-    probe = subprocess.run(
-        [
-            str(default),
-            "-c",
-            "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)",
-        ],
-        capture_output=True,
-        timeout=60,
-    )
-    if probe.returncode != 0:
-        pytest.skip(f"{default} has no vllm installed (rerun tools/setup_vllm_env.sh)")
-    return str(default)
+    return vllm_python_for_tests()
 
 
 def child_env() -> dict[str, str]:
