@@ -39,6 +39,13 @@ class RunConfig:
     micro_batch_size: int = 4  # sequences per forward/backward pass on the trainer
     max_grad_norm: float = 1.0  # gradient clipping threshold
 
+    # The generator backend.
+    generator: Literal["hf", "vllm"] = "hf"  # hf: transformers' generate in the rank; vllm: a vLLM engine
+    # per generator rank, in its own process and environment (tools/setup_vllm_env.sh builds it)
+    vllm_python: str | None = None  # interpreter of the vLLM environment; None: $LLAMARL_VLLM_PYTHON,
+    # else the one tools/setup_vllm_env.sh builds in ~/.cache/llamarl
+    vllm_max_model_len: int | None = None  # prompt + completion limit of each engine; None: the model's
+
     # Ranks and devices.
     num_generators: int = 1  # generator ranks (data-parallel replicas); the trainer is rank 0
     nnodes: int = 1  # machines; ranks are spread evenly over them by torch elastic
@@ -91,5 +98,7 @@ class RunConfig:
             raise ConfigError(f"{self.world_size} ranks cannot be spread evenly over {self.nnodes} nodes")
         if self.nnodes > 1 and not self.rdzv_endpoint:
             raise ConfigError("several nodes need a rendezvous endpoint (host:port of the first node)")
+        if self.generator not in ("hf", "vllm"):
+            raise ConfigError(f"generator must be 'hf' or 'vllm', got {self.generator!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"device must be auto, cpu or cuda, got {self.device!r}")

@@ -23,10 +23,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from llamarl.comm import WeightReceiver, WeightSender, WeightSyncGroup
+from llamarl.comm import WeightSender, WeightSyncGroup
 from llamarl.control.channels import concat_rollouts, recv_rollouts, send_rollouts
 from llamarl.control.config import RunConfig
-from llamarl.control.executors import build_generator, build_rewarder, build_trainer, load_tokenizer
+from llamarl.control.executors import (
+    build_generator,
+    build_rewarder,
+    build_trainer,
+    load_tokenizer,
+    open_weight_receiver,
+)
 from llamarl.control.metrics import MetricsLogger
 from llamarl.control.net import free_port
 from llamarl.control.tasks import TASKS, Example
@@ -79,26 +85,25 @@ class Controller:
         if self.is_trainer:
             self.trainer = build_trainer(cfg, device)
             self.trainer.setup()
-            weights = self.trainer.model
         else:
-            self.generator = build_generator(cfg, device, seed=cfg.seed + self.rank)
+            self.generator = build_generator(cfg, device, seed=cfg.seed + self.rank, rank=self.rank)
             self.generator.setup()
             self.rewarder = build_rewarder(cfg)
-            weights = self.generator.model
         # The weight-sync group has its own store on a port chosen by the trainer: it never depends on
         # the default process group, which here only carries rollouts and small control messages.
         port = torch.tensor([free_port() if self.is_trainer else 0], dtype=torch.int64)
         dist.broadcast(port, TRAINER_RANK)
-        self.weight_group = WeightSyncGroup(
+        group_args = dict(
             host=os.environ.get("MASTER_ADDR", "127.0.0.1"),
             port=int(port.item()),
             rank=self.rank,
             world_size=self.world_size,
             timeout_s=cfg.timeout_s,
         )
-        bucket_bytes = cfg.weight_bucket_mb << 20
         if self.is_trainer:
-            self.sender = WeightSender(self.weight_group, weights, bucket_bytes=bucket_bytes)
+            self.weight_group = WeightSyncGroup(**group_args)
+            bucket_bytes = cfg.weight_bucket_mb << 20
+            self.sender = WeightSender(self.weight_group, self.trainer.model, bucket_bytes=bucket_bytes)
             self.output_dir.mkdir(parents=True, exist_ok=True)
             self.logger = MetricsLogger(
                 output_dir=self.output_dir,
@@ -107,7 +112,8 @@ class Controller:
                 wandb_project=cfg.wandb_project if cfg.wandb else None,
             )
         else:
-            self.receiver = WeightReceiver(self.weight_group, weights, src_rank=TRAINER_RANK)
+            # A vLLM generator's engine joins in this rank's place and receives straight from the trainer.
+            self.receiver = open_weight_receiver(self.generator, **group_args, src_rank=TRAINER_RANK)
             self._samples = (self.output_dir / f"samples.rank{self.rank}.jsonl").open("a", encoding="utf-8")
 
     def close(self) -> None:

@@ -51,7 +51,7 @@ class VLLMGeneratorConfig:
     dtype: str = "float32"  # engine weights and compute dtype; the trainer sends in this dtype
     temperature: float = 1.0  # sampling temperature; the trainer must use the same one
     seed: int | None = None  # engine seed; each generate call derives its request seed from it
-    max_model_len: int = 2048  # prompt + completion token limit of the engine
+    max_model_len: int | None = None  # prompt + completion token limit; None: the model's own limit
     max_num_seqs: int = 64  # sequences the engine schedules at once
     num_threads: int = 1  # CPU threads of the engine process
     kv_cache_gib: int = 1  # CPU KV cache size (VLLM_CPU_KVCACHE_SPACE)
@@ -110,11 +110,12 @@ class VLLMGenerator:
             "--fd", str(theirs.fileno()),
             "--model", str(cfg.model),
             "--dtype", cfg.dtype,
-            "--max-model-len", str(cfg.max_model_len),
             "--max-num-seqs", str(cfg.max_num_seqs),
             "--num-threads", str(cfg.num_threads),
             "--seed", str(cfg.seed or 0),
         ]  # fmt: skip
+        if cfg.max_model_len is not None:
+            command += ["--max-model-len", str(cfg.max_model_len)]
         with self._log_path.open("ab") as log:
             self._proc = subprocess.Popen(
                 command,

@@ -105,7 +105,11 @@ class Engine:
         """One sync from the trainer into every worker, then the prefix cache reset (checked)."""
         from llamarl.comm.adapters.vllm import sync_weights
 
-        return sync_weights(self.llm, timeout_s=timeout_s)
+        start = time.monotonic()
+        received = sync_weights(self.llm, timeout_s=timeout_s)
+        # The workers' own report, in the log for people and for the app test.
+        log(f"serves policy_version {self.weight_version()} ({time.monotonic() - start:.2f} s)")
+        return received
 
     def weight_version(self) -> int | None:
         versions = set(self.llm.collective_rpc("weight_version"))
@@ -122,7 +126,7 @@ def main() -> None:
     parser.add_argument("--fd", type=int, required=True, help="this end of the socket pair to the generator")
     parser.add_argument("--model", required=True)
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--max-model-len", type=int, required=True)
+    parser.add_argument("--max-model-len", type=int, default=None, help="default: the model's limit")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--num-threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
