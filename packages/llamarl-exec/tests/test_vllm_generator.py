@@ -161,3 +161,58 @@ def test_an_engine_that_cannot_start_fails_with_its_error(tmp_path):
         gen.setup()
     gen.close()
     assert gen._proc is None
+
+
+_ORPHAN_SCRIPT = """
+import sys, time
+from llamarl.exec import VLLMGenerator, VLLMGeneratorConfig
+gen = VLLMGenerator(VLLMGeneratorConfig(model=sys.argv[1], vllm_python=sys.argv[2], start_timeout_s=200))
+gen.setup()
+print(gen.engine_pid, flush=True)
+# Keeps the engine inside a long call: joining a weight-sync group whose trainer never comes.
+gen.connect_weight_sync(host="127.0.0.1", port=int(sys.argv[3]), rank=1, world_size=2, timeout_s=300)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_the_engine_exits_when_its_generator_process_is_killed(model_dir, tmp_path):
+    """A rank killed by the launcher (SIGKILL: no close()) while its engine is inside a long call (here a
+    weight-sync join that would wait 300 s) must not leave the engine running."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "rank.py"
+    script.write_text(_ORPHAN_SCRIPT)
+    rank = subprocess.Popen(
+        [sys.executable, str(script), model_dir, vllm_python_for_tests(), str(free_port())],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = rank.stdout.readline()  # the engine's pid, once it serves (or "" if the rank failed)
+        assert line.strip().isdigit(), f"the rank did not start its engine (exit code {rank.poll()})"
+        engine_pid = int(line)
+        time.sleep(5)  # the engine is now in the join
+        assert _running(engine_pid)
+    finally:
+        rank.send_signal(signal.SIGKILL)
+        rank.wait(timeout=30)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if not _running(engine_pid):
+            return
+        time.sleep(0.2)
+    os.kill(engine_pid, signal.SIGKILL)
+    pytest.fail("the engine kept running 20 s after its generator process was killed")
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an exited orphan may wait for a reaper that never comes in a container)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False

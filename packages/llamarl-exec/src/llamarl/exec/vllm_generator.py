@@ -124,8 +124,6 @@ class VLLMGenerator:
                 stderr=subprocess.STDOUT,
                 env=engine_env(num_threads=cfg.num_threads, kv_cache_gib=cfg.kv_cache_gib),
                 pass_fds=(theirs.fileno(),),
-                # Its own session: a Ctrl-C meant for the launcher reaches the engine through close().
-                start_new_session=True,
             )
         theirs.close()
         self._conn = Connection(ours.detach())
@@ -134,6 +132,11 @@ class VLLMGenerator:
             self._kill()
             raise EngineError(f"the vLLM engine failed to start:\n{info}")
         self.engine_info = info
+
+    @property
+    def engine_pid(self) -> int | None:
+        """Process id of the engine (None before setup and after close)."""
+        return None if self._proc is None else self._proc.pid
 
     def close(self) -> None:
         """Stops the engine process (politely, then by force after a few seconds). Idempotent."""

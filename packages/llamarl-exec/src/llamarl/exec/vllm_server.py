@@ -121,6 +121,26 @@ class Engine:
         self.llm.collective_rpc("close_weight_sync")
 
 
+def exit_with_parent(poll_s: float = 1.0) -> None:
+    """Ends this process when the generator process that started it is gone.
+
+    The main thread may sit in a long vLLM call (a weight sync waits up to the run's timeout for the
+    trainer), so it would notice a closed socket only afterwards; a rank killed by the launcher must not
+    leave an engine holding memory for minutes.
+    """
+    import threading
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        log(f"parent process {parent} is gone: exiting")
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--fd", type=int, required=True, help="this end of the socket pair to the generator")
@@ -132,6 +152,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     conn = Connection(args.fd)
+    exit_with_parent()
     try:
         engine = Engine(args)
     except BaseException:
