@@ -35,6 +35,7 @@ from llamarl.comm.adapters.vllm import (
     TensorSpec,
     WeightSyncWorkerExtension,
     checkpoint_tensor_specs,
+    sync_weights,
 )
 from llamarl.comm.testing import free_port, run_distributed
 
@@ -265,3 +266,28 @@ def test_worker_extension_receives_and_reports_versions(tmp_path: Path) -> None:
     # One reload per sync, with every tensor under its checkpoint name, dtype and value.
     assert engine["names_loaded"] == engine["names_sent"]
     assert engine["mismatches"] == []
+
+
+class StandInLLM:
+    """What `sync_weights` uses of a `vllm.LLM`: collective_rpc and reset_prefix_cache. vLLM refuses a
+    reset while requests run; that state cannot be produced on demand in a real engine, hence this."""
+
+    def __init__(self, versions: list[int], reset_ok: bool) -> None:
+        self.versions, self.reset_ok, self.resets = versions, reset_ok, 0
+
+    def collective_rpc(self, method: str, kwargs: dict | None = None) -> list[int]:
+        assert method == "receive_weights"
+        return self.versions
+
+    def reset_prefix_cache(self) -> bool:
+        self.resets += 1
+        return self.reset_ok
+
+
+def test_sync_weights_resets_the_prefix_cache_and_a_refused_reset_is_an_error() -> None:
+    llm = StandInLLM([4], reset_ok=True)
+    assert sync_weights(llm) == 4 and llm.resets == 1
+    with pytest.raises(RuntimeError, match="refused to reset its prefix cache"):
+        sync_weights(StandInLLM([4], reset_ok=False))
+    with pytest.raises(RuntimeError, match="different policy versions"):
+        sync_weights(StandInLLM([4, 5], reset_ok=True))
