@@ -114,6 +114,14 @@ def build_parser(task: str) -> argparse.ArgumentParser:
     p.add_argument(
         "--num-trainers", type=int, default=defaults.num_trainers, help="trainer ranks (FSDP2 over them)"
     )
+    p.add_argument(
+        "--generator",
+        choices=["hf", "vllm"],
+        default=defaults.generator,
+        help="hf: transformers' generate in the rank; vllm: a vLLM engine per generator rank "
+        "(build its environment once with tools/setup_vllm_env.sh)",
+    )
+    p.add_argument("--vllm-python", help="interpreter of the vLLM environment (default: the cached one)")
     p.add_argument("--num-generators", type=int, default=defaults.num_generators, help="generator ranks")
     p.add_argument(
         "--nnodes", type=int, default=defaults.nnodes, help="machines (run the same command on each)"
@@ -183,6 +191,8 @@ def config_from_args(task: str, args: argparse.Namespace, model: str) -> RunConf
         kl_estimator=args.kl_estimator,
         activation_checkpointing=args.activation_checkpointing,
         num_trainers=args.num_trainers,
+        generator=args.generator,
+        vllm_python=args.vllm_python,
         num_generators=args.num_generators,
         nnodes=args.nnodes,
         rdzv_endpoint=args.rdzv_endpoint,
@@ -244,6 +254,20 @@ def resolve_model(model: str | None, device: str) -> str:
     return model
 
 
+def _check_generator(config: RunConfig) -> None:
+    """`--generator vllm` needs the vLLM environment and a local model folder: say so before ranks start."""
+    if config.generator != "vllm":
+        return
+    from llamarl.exec.vllm_env import VLLMEnvironmentError, find_vllm_python
+
+    try:
+        find_vllm_python(config.vllm_python)
+    except VLLMEnvironmentError as e:
+        raise UsageError(f"--generator vllm: {e}") from None
+    if not Path(config.model, "config.json").is_file():
+        raise UsageError(f"--generator vllm serves a local model folder; --model {config.model} is not one")
+
+
 def main(task: str, argv: list[str] | None = None) -> int:
     prog = f"{task}_rl"
     logging.basicConfig(level=logging.WARNING, format=f"{prog}: warning: %(message)s")
@@ -253,6 +277,7 @@ def main(task: str, argv: list[str] | None = None) -> int:
         config = config_from_args(task, args, model)
         config.validate()
         _check_algorithm(config)
+        _check_generator(config)
         data = resolve_data(task, args.data, prog)
         train = load_examples(TASKS[task], data, "train")
         test = load_examples(TASKS[task], data, "test") if config.eval_size else []

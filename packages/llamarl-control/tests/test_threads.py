@@ -1,0 +1,26 @@
+"""How the launcher shares the CPU cores between ranks (the vLLM engine inherits its rank's share)."""
+
+from __future__ import annotations
+
+import os
+
+from llamarl.control.config import RunConfig
+from llamarl.control.launcher import _default_threads
+
+
+def config(**kwargs) -> RunConfig:
+    return RunConfig(task="gsm8k", model="m", output_dir="o", **kwargs)
+
+
+def test_sync_mode_gives_every_rank_all_cores():
+    # Ranks take turns in sync mode: the generator generates while the trainer waits, and the other way
+    # round, so each may use every core (a generator keeping half of them would idle the other half).
+    cores = os.cpu_count() or 1
+    assert _default_threads(config(mode="sync")) == cores
+    assert _default_threads(config(mode="sync", num_generators=3)) == cores
+
+
+def test_async_mode_splits_the_cores_between_concurrent_ranks():
+    cores = os.cpu_count() or 1
+    assert _default_threads(config(mode="async")) == max(1, cores // 2)
+    assert _default_threads(config(mode="async", num_generators=3)) == max(1, cores // 4)

@@ -1,0 +1,327 @@
+"""The `vllm` generator: sampling in a real vLLM engine that runs as a child process of this rank.
+
+Shape legend:
+    B  sequences (num_prompts x samples_per_prompt, the samples of one prompt contiguous)
+    P  prompt length (left-padded), C  completion length (right-padded)
+
+`VLLMGenerator` is a thin client. `setup()` starts the engine (`llamarl.exec.vllm_server`) in the vLLM
+environment (`llamarl.exec.vllm_env`) with one end of a socket pair; every request and every wait on
+the engine has a deadline, and an engine that dies is reported with the tail of its log. The engine
+runs in a child process, not in this one, for two reasons: vLLM pins its own torch, and an in-process
+engine would adopt the launcher's default process group.
+
+Weights never pass through this process: `connect_weight_sync` makes the engine's worker join the
+trainer's weight-sync group (llamarl.comm's vLLM worker extension) as this rank, and each
+`receive_weights` has it receive the trainer's tensors directly (DDMA), load them with vLLM's own
+loaders and reset the prefix cache.
+
+Behaviour log-probs: the engine runs with `logprobs_mode="processed_logprobs"` and `logprobs=0`, so each
+sampled token comes with log softmax(z / T)[token] of the distribution it was drawn from; temperature
+is the only sampling knob that is not neutral. Greedy requests (evaluation) skip the temperature in
+vLLM, so their log-probs are log softmax(z) (the HF generator scales greedy log-probs by 1/T).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llamarl.exec.hf_generator import _completion_mask, _left_pad
+from llamarl.exec.types import RolloutBatch
+from llamarl.exec.vllm_env import engine_env, find_vllm_python
+
+_SERVER = Path(__file__).resolve().with_name("vllm_server.py")
+
+
+@dataclass(kw_only=True)
+class VLLMGeneratorConfig:
+    """Configuration of `VLLMGenerator`."""
+
+    model: str  # local transformers folder (safetensors) the engine serves; the trainer starts from it
+    dtype: str = "float32"  # engine weights and compute dtype; the trainer sends in this dtype
+    temperature: float = 1.0  # sampling temperature; the trainer must use the same one
+    seed: int | None = None  # engine seed; each generate call derives its request seed from it
+    max_model_len: int | None = None  # prompt + completion token limit; None: the model's own limit
+    max_num_seqs: int = 64  # sequences the engine schedules at once
+    num_threads: int = 1  # CPU threads of the engine process
+    kv_cache_gib: int = 1  # CPU KV cache size (VLLM_CPU_KVCACHE_SPACE)
+    vllm_python: str | None = None  # interpreter of the vLLM environment; None: see find_vllm_python
+    start_timeout_s: float = 300.0  # deadline for the engine to start (imports, model load)
+    timeout_s: float = 600.0  # deadline for any other request (a generate call, a weight sync)
+    log_path: str | None = None  # where the engine's stdout/stderr go; None: a temporary file
+
+
+class EngineError(RuntimeError):
+    """The engine process failed, died or missed a deadline; the message carries its error or log tail."""
+
+
+class VLLMGenerator:
+    """Samples completions in a vLLM engine process; implements `llamarl.exec.types.Generator`.
+
+    Attributes:
+        policy_version: the version of the weights the engine serves; set by `receive_weights` (or by
+            the controller after a sync) and checked against the engine's own report on every generate.
+        engine_info: what the engine reported on start (vllm and torch versions, start time).
+        last_metrics: timings and counts of the latest `generate` call.
+    """
+
+    def __init__(self, config: VLLMGeneratorConfig) -> None:
+        if config.temperature <= 0:
+            raise ValueError(f"temperature must be positive, got {config.temperature}")
+        self.config = config
+        self.policy_version = 0
+        self.engine_info: dict[str, Any] = {}
+        self.last_metrics: dict[str, float] = {}
+        self._proc: subprocess.Popen | None = None
+        self._conn: Connection | None = None
+        self._log_path: Path | None = None
+        self._num_calls = 0
+
+    # ----------------------------------------------------------------------------------------------
+    # lifecycle
+
+    def setup(self) -> None:
+        """Starts the engine process and waits (at most start_timeout_s) until it serves."""
+        cfg = self.config
+        python = find_vllm_python(cfg.vllm_python)
+        self.eos_token_ids, self.pad_token_id = _special_tokens(Path(cfg.model))
+        if cfg.log_path:
+            self._log_path = Path(cfg.log_path)
+        else:
+            fd, name = tempfile.mkstemp(prefix="llamarl-vllm-engine-", suffix=".log")
+            os.close(fd)
+            self._log_path = Path(name)
+        self._log_path.parent.mkdir(parents=True, exist_ok=True)
+        ours, theirs = socket.socketpair()
+        command = [
+            python,
+            "-P",  # the script's folder (llamarl/exec, with a types.py) must not shadow the stdlib
+            str(_SERVER),
+            "--fd", str(theirs.fileno()),
+            "--model", str(cfg.model),
+            "--dtype", cfg.dtype,
+            "--max-num-seqs", str(cfg.max_num_seqs),
+            "--num-threads", str(cfg.num_threads),
+            "--seed", str(cfg.seed or 0),
+        ]  # fmt: skip
+        if cfg.max_model_len is not None:
+            command += ["--max-model-len", str(cfg.max_model_len)]
+        with self._log_path.open("ab") as log:
+            self._proc = subprocess.Popen(
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=engine_env(num_threads=cfg.num_threads, kv_cache_gib=cfg.kv_cache_gib),
+                pass_fds=(theirs.fileno(),),
+            )
+        theirs.close()
+        self._conn = Connection(ours.detach())
+        status, info = self._receive(cfg.start_timeout_s, what="the engine to start")
+        if status != "ready":
+            self._kill()
+            raise EngineError(f"the vLLM engine failed to start:\n{info}")
+        self.engine_info = info
+
+    @property
+    def engine_pid(self) -> int | None:
+        """Process id of the engine (None before setup and after close)."""
+        return None if self._proc is None else self._proc.pid
+
+    def close(self) -> None:
+        """Stops the engine process (politely, then by force after a few seconds). Idempotent."""
+        if self._proc is None:
+            return
+        try:
+            if self._proc.poll() is None and self._conn is not None:
+                self._conn.send(("close", {}))
+                self._proc.wait(timeout=15)
+        except (OSError, subprocess.TimeoutExpired, EOFError):
+            pass
+        self._kill()
+
+    def _kill(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait(timeout=30)
+        self._proc = None
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    # ----------------------------------------------------------------------------------------------
+    # requests
+
+    def _receive(self, timeout_s: float, *, what: str) -> tuple[str, Any]:
+        """The engine's next message, waiting at most timeout_s; fails fast if the engine dies."""
+        assert self._conn is not None and self._proc is not None
+        deadline = time.monotonic() + timeout_s
+        while not self._conn.poll(min(1.0, max(0.0, deadline - time.monotonic()))):
+            if self._proc.poll() is not None:
+                raise EngineError(
+                    f"the vLLM engine exited (code {self._proc.returncode}) while waiting for {what}; "
+                    f"its log ends:\n{self._log_tail()}"
+                )
+            if time.monotonic() >= deadline:
+                raise EngineError(
+                    f"timed out after {timeout_s:.0f} s waiting for {what}:\n{self._log_tail()}"
+                )
+        try:
+            return self._conn.recv()
+        except EOFError:
+            self._proc.wait(timeout=30)
+            raise EngineError(
+                f"the vLLM engine closed its connection (exit code {self._proc.returncode}) while "
+                f"waiting for {what}; its log ends:\n{self._log_tail()}"
+            ) from None
+
+    def _call(self, method: str, *, deadline_s: float | None = None, **kwargs: Any) -> Any:
+        """Runs `method(**kwargs)` in the engine; waits at most deadline_s (default: config.timeout_s)."""
+        if self._conn is None:
+            raise RuntimeError("VLLMGenerator used before setup() or after close()")
+        self._conn.send((method, kwargs))
+        status, value = self._receive(deadline_s or self.config.timeout_s, what=method)
+        if status != "ok":
+            raise EngineError(f"the vLLM engine failed in {method}:\n{value}")
+        return value
+
+    def _log_tail(self, num_chars: int = 6000) -> str:
+        try:
+            return self._log_path.read_text(errors="replace")[-num_chars:] if self._log_path else ""
+        except OSError:
+            return ""
+
+    # ----------------------------------------------------------------------------------------------
+    # weights
+
+    def connect_weight_sync(
+        self, *, host: str, port: int, rank: int, world_size: int, timeout_s: float, src_rank: int = 0
+    ) -> int:
+        """Has the engine's worker join the trainer's weight-sync group as `rank`; returns how many
+        tensors it expects. The trainer's `WeightSender` must be built at about the same time."""
+        return self._call(
+            "init_weight_sync",
+            deadline_s=timeout_s + 30,  # the engine's own wait has timeout_s; this one must outlast it
+            host=host,
+            port=port,
+            rank=rank,
+            world_size=world_size,
+            timeout_s=timeout_s,
+            src_rank=src_rank,
+        )
+
+    def receive_weights(self, timeout_s: float | None = None) -> int:
+        """Has the engine receive one sync from the trainer (load, reset the prefix cache); returns and
+        adopts its policy_version."""
+        wait_s = timeout_s or self.config.timeout_s
+        # The engine waits at most wait_s for the trainer; this wait outlasts it to get its error.
+        self.policy_version = int(self._call("receive_weights", deadline_s=wait_s + 30, timeout_s=wait_s))
+        return self.policy_version
+
+    def engine_policy_version(self) -> int | None:
+        """The policy_version the engine itself reports (None after a failed sync)."""
+        return self._call("weight_version")
+
+    # ----------------------------------------------------------------------------------------------
+    # sampling
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        samples_per_prompt: int,
+        max_new_tokens: int,
+        greedy: bool = False,
+    ) -> RolloutBatch:
+        """Samples `samples_per_prompt` completions of every prompt in one engine call.
+
+        Args:
+            prompts: token ids of each prompt (chat template already applied), no padding.
+            samples_per_prompt: completions per prompt; they are contiguous in the batch.
+            max_new_tokens: completion length limit (a completion that hits it has no EOS).
+            greedy: argmax decoding for evaluation (log-probs then under softmax(z), see the module doc).
+
+        Returns:
+            RolloutBatch with rewards zeros and policy_version_B the version the engine reports.
+        """
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        start = time.perf_counter()
+        # A fresh request seed per call (seeded runs stay reproducible, calls do not repeat each other).
+        seed = None if self.config.seed is None else self.config.seed * 100_003 + self._num_calls
+        self._num_calls += 1
+        reply = self._call(
+            "generate",
+            prompts=[list(map(int, p)) for p in prompts],
+            n=samples_per_prompt,
+            max_tokens=max_new_tokens,
+            temperature=0.0 if greedy else self.config.temperature,
+            stop_token_ids=self.eos_token_ids,
+            seed=seed,
+        )
+        if reply["policy_version"] != self.policy_version:
+            raise EngineError(
+                f"the engine serves policy_version {reply['policy_version']}, the generator expects "
+                f"{self.policy_version}"
+            )
+        token_ids, logprobs = reply["token_ids"], reply["logprobs"]
+        num_sequences = len(prompts) * samples_per_prompt
+        assert len(token_ids) == num_sequences, (len(token_ids), num_sequences)
+        prompt_ids_BP, prompt_mask_BP = _left_pad(
+            [p for p in prompts for _ in range(samples_per_prompt)], self.pad_token_id
+        )
+        length = max(len(t) for t in token_ids)
+        completion_ids_BC = torch.full((num_sequences, length), self.pad_token_id, dtype=torch.int64)
+        behavior_logprobs_BC = torch.zeros((num_sequences, length), dtype=torch.float32)
+        for i, (ids, lps) in enumerate(zip(token_ids, logprobs, strict=True)):
+            completion_ids_BC[i, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
+            behavior_logprobs_BC[i, : len(lps)] = torch.tensor(lps, dtype=torch.float32)
+        # vLLM stops at the first EOS and keeps it; the mask also stops at the first EOS, so a padding
+        # id equal to EOS (SmolLM2) is never mistaken for a sampled token.
+        lengths_B = torch.tensor([len(t) for t in token_ids])
+        completion_mask_BC = (torch.arange(length)[None, :] < lengths_B[:, None]).long()
+        completion_mask_BC &= _completion_mask(completion_ids_BC, self.eos_token_ids)
+        behavior_logprobs_BC = behavior_logprobs_BC.masked_fill(completion_mask_BC == 0, 0.0)
+
+        elapsed = time.perf_counter() - start
+        num_tokens = int(completion_mask_BC.sum())
+        self.last_metrics = {
+            "generate_s": elapsed,
+            "num_sequences": float(num_sequences),
+            "num_completion_tokens": float(num_tokens),
+            "tokens_per_s": num_tokens / elapsed if elapsed > 0 else float("nan"),
+        }
+        return RolloutBatch(
+            prompt_ids_BP=prompt_ids_BP,
+            prompt_mask_BP=prompt_mask_BP,
+            completion_ids_BC=completion_ids_BC,
+            completion_mask_BC=completion_mask_BC,
+            behavior_logprobs_BC=behavior_logprobs_BC,
+            rewards_B=torch.zeros(num_sequences, dtype=torch.float32),
+            policy_version_B=torch.full((num_sequences,), reply["policy_version"], dtype=torch.int64),
+            group_size=samples_per_prompt,
+        )
+
+
+def _special_tokens(model_dir: Path) -> tuple[list[int], int]:
+    """(eos ids, pad id) from the folder's generation_config.json / config.json, as HFGenerator picks them."""
+    if not model_dir.is_dir():
+        raise ValueError(f"the vllm generator serves a local model folder; {model_dir} is not one")
+    paths = (model_dir / "generation_config.json", model_dir / "config.json")
+    configs = [json.loads(p.read_text()) for p in paths if p.is_file()]
+    eos = next((c["eos_token_id"] for c in configs if c.get("eos_token_id") is not None), None)
+    if eos is None:
+        raise ValueError(f"{model_dir}: the model defines no eos token")
+    eos_ids = [eos] if isinstance(eos, int) else list(eos)
+    pad = next((c["pad_token_id"] for c in configs if c.get("pad_token_id") is not None), None)
+    return eos_ids, eos_ids[0] if pad is None else int(pad)
