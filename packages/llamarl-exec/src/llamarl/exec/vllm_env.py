@@ -10,7 +10,9 @@ the workspace's torch never leaks into it.
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -76,6 +78,7 @@ def comm_import_root() -> Path:
         import llamarl.comm
 
         root = Path(tempfile.mkdtemp(prefix="llamarl-vllm-path-"))
+        atexit.register(shutil.rmtree, root, ignore_errors=True)  # removes the link, not its target
         (root / "llamarl").mkdir()
         (root / "llamarl" / "comm").symlink_to(Path(llamarl.comm.__file__).resolve().parent)
         _COMM_ROOT = root

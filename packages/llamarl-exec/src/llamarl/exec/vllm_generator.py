@@ -85,6 +85,7 @@ class VLLMGenerator:
         self._proc: subprocess.Popen | None = None
         self._conn: Connection | None = None
         self._log_path: Path | None = None
+        self._temporary_log = False  # the log is ours to delete after a clean close
         self._num_calls = 0
 
     # ----------------------------------------------------------------------------------------------
@@ -101,6 +102,7 @@ class VLLMGenerator:
             fd, name = tempfile.mkstemp(prefix="llamarl-vllm-engine-", suffix=".log")
             os.close(fd)
             self._log_path = Path(name)
+            self._temporary_log = True
         self._log_path.parent.mkdir(parents=True, exist_ok=True)
         ours, theirs = socket.socketpair()
         command = [
@@ -142,13 +144,17 @@ class VLLMGenerator:
         """Stops the engine process (politely, then by force after a few seconds). Idempotent."""
         if self._proc is None:
             return
+        clean = False
         try:
             if self._proc.poll() is None and self._conn is not None:
                 self._conn.send(("close", {}))
-                self._proc.wait(timeout=15)
+                clean = self._proc.wait(timeout=15) == 0
         except (OSError, subprocess.TimeoutExpired, EOFError):
             pass
         self._kill()
+        # A temporary log is kept when the engine did not end cleanly: it is the only trace of why.
+        if clean and self._temporary_log and self._log_path is not None:
+            self._log_path.unlink(missing_ok=True)
 
     def _kill(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
