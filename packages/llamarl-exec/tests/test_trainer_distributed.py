@@ -74,7 +74,7 @@ def _budget_with_unequal_micro_batches(batch) -> int:
     raise AssertionError("no budget splits the parts unequally; change the batch")
 
 
-@pytest.mark.parametrize("layout", ["padded", "shared", "packed", "packed_unequal"])
+@pytest.mark.parametrize("layout", ["padded", "shared", "packed", "packed_unequal", "checkpointed"])
 def test_two_rank_gradient_equals_the_single_rank_gradient(tiny_model_dir, batch, layout):
     # "packed_unequal": one rank's budget gives it fewer micro-batches; it must split into as many as
     # the other's (FSDP2 runs collectives in every pass), else this would hang until the timeout.
@@ -83,6 +83,7 @@ def test_two_rank_gradient_equals_the_single_rank_gradient(tiny_model_dir, batch
         "shared": {"share_prompts": True},
         "packed": {"pack_tokens": 40},
         "packed_unequal": {"pack_tokens": _budget_with_unequal_micro_batches(batch)},
+        "checkpointed": {"pack_tokens": 40, "gradient_checkpointing": True},  # activation checkpointing
     }[layout]
     grads, metrics, norm = run_distributed(
         _grad_worker, NUM_TRAINERS, str(tiny_model_dir), batch, overrides, timeout_s=240
@@ -153,3 +154,36 @@ def test_generator_receives_bitwise_the_single_rank_weights(tiny_model_dir, batc
     mismatched = [n for n in expected if not torch.equal(received[n], expected[n])]
     assert not mismatched, mismatched
     assert all(not torch.equal(expected[n], initial[n]) for n in expected)  # every weight did move
+
+
+def _mixed_precision_worker(rank: int, world_size: int, rdv, model_dir: str, batch):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=rdv.init_method, rank=rank, world_size=world_size)
+    group = dist.new_group(list(range(NUM_TRAINERS)))
+    out = {}
+    for param_dtype in (None, "bfloat16"):
+        trainer = PolicyTrainer(_config(model_dir, param_dtype=param_dtype), group=group)
+        trainer.setup()
+        logprobs = trainer.compute_logprobs(batch.data_parallel_part(rank, world_size))
+        trainer.train_step(batch.data_parallel_part(rank, world_size))
+        params = list(trainer.model.parameters())
+        out[param_dtype] = {
+            "logprobs": logprobs,
+            "param_dtypes": {p.dtype for p in params},
+            "grad_free": all(p.grad is None for p in params),
+            "optimizer_dtypes": {
+                t.dtype for state in trainer.optimizer.state.values() for t in state.values() if t.dim() > 0
+            },
+        }
+    return out if rank == 0 else None
+
+
+def test_mixed_precision_computes_in_bf16_and_keeps_fp32_master_weights(tiny_model_dir, batch):
+    out = run_distributed(_mixed_precision_worker, NUM_TRAINERS, str(tiny_model_dir), batch, timeout_s=240)[0]
+    fp32, bf16 = out[None], out["bfloat16"]
+    assert bf16["param_dtypes"] == {torch.float32} and bf16["optimizer_dtypes"] == {torch.float32}
+    assert bf16["grad_free"]  # zeroed after the step
+    # Same weights, bf16 matmuls: close to the fp32 log-probs but not equal to them.
+    difference = (bf16["logprobs"] - fp32["logprobs"]).abs().max()
+    assert 0 < difference < 0.1, difference

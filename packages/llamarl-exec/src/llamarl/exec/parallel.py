@@ -23,6 +23,7 @@ def shard_model(
     device: torch.device,
     param_dtype: torch.dtype | None = None,
     reshard_root_after_forward: bool = False,
+    activation_checkpointing: bool = False,
 ) -> torch.nn.Module:
     """Shards `model` with FSDP2 (`fully_shard`) over `group`: each decoder layer, then the root.
 
@@ -31,6 +32,11 @@ def shard_model(
     backward; the sharded parameters, and so the optimizer state, keep the model's own dtype (fp32
     master weights) and gradients are reduced in that dtype. Gradients are summed across ranks, not
     averaged: the trainer already divides each rank's loss by the global token and sequence counts.
+
+    `activation_checkpointing` recomputes each decoder layer's activations in backward, with torch's
+    composable `checkpoint` (applied before `fully_shard`, the order FSDP2 composes with; it keeps the
+    parameter names, which weight sync relies on). transformers' own `gradient_checkpointing_enable`
+    hangs under FSDP2: its recomputation re-enters the layer's FSDP hooks in backward.
     """
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -43,6 +49,10 @@ def shard_model(
     layer_classes = set(getattr(model, "_no_split_modules", None) or ())
     for module in list(model.modules()):
         if type(module).__name__ in layer_classes:
+            if activation_checkpointing:
+                from torch.distributed._composable import checkpoint
+
+                checkpoint(module)
             fully_shard(module, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_root_after_forward)
     for module in model.modules():

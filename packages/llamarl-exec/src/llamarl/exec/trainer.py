@@ -136,8 +136,7 @@ class PolicyTrainer:
         model, _ = load_model_and_tokenizer(
             cfg.model, dtype=cfg.dtype, device=cfg.device, with_tokenizer=False
         )
-        if cfg.gradient_checkpointing:
-            # Non-reentrant checkpointing is the kind that composes with FSDP2's hooks.
+        if cfg.gradient_checkpointing and not self.is_sharded:  # (under FSDP2: see shard_model)
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False  # no KV cache in training forward passes
         model.train()
@@ -151,7 +150,7 @@ class PolicyTrainer:
             ref.eval()
             # Sharded like the policy; it never trains and is never synced, so its root reshards
             # after every forward instead of holding its weights gathered for a backward pass.
-            self.ref_model = self._wrap_model(ref, reshard_root_after_forward=True)
+            self.ref_model = self._wrap_model(ref, frozen=True)
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
             lr=cfg.lr,
@@ -178,11 +177,9 @@ class PolicyTrainer:
         """Whether the model is under FSDP2 (a trainer group was given)."""
         return self.group is not None
 
-    def _wrap_model(
-        self, model: torch.nn.Module, *, reshard_root_after_forward: bool = False
-    ) -> torch.nn.Module:
+    def _wrap_model(self, model: torch.nn.Module, *, frozen: bool = False) -> torch.nn.Module:
         """FSDP2 over the trainer group when there is one (any size, so mixed precision works on one
-        rank too); the plain module otherwise."""
+        rank too); the plain module otherwise. `frozen`: a model that is never trained (the reference)."""
         if self.group is None:
             return model
         param_dtype = resolve_dtype(self.config.param_dtype) if self.config.param_dtype else None
@@ -191,7 +188,9 @@ class PolicyTrainer:
             self.group,
             device=torch.device(self.config.device),
             param_dtype=param_dtype,
-            reshard_root_after_forward=reshard_root_after_forward,
+            # A frozen model runs no backward: its root need not stay gathered, nothing to recompute.
+            reshard_root_after_forward=frozen,
+            activation_checkpointing=self.config.gradient_checkpointing and not frozen,
         )
 
     def _global_counts(self, num_valid_tokens: int, num_sequences: int) -> tuple[int, int]:
