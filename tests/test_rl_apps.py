@@ -44,6 +44,12 @@ def common_args(model: Path, data: Path, out: Path) -> list[str]:
     ]  # fmt: skip
 
 
+def read_step_metrics(out: Path) -> list[dict]:
+    """The training steps' records of metrics.jsonl (it also holds the evaluations')."""
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if "train/reward_mean" in r]
+
+
 def read_samples(out: Path) -> list[dict]:
     rows = []
     for path in sorted(out.glob("samples.rank*.jsonl")):
@@ -70,7 +76,7 @@ def test_gsm8k_app_trains_in_both_modes(tiny_model_dir, gsm8k_dir, tmp_path, mod
     # async trains on rollouts one version old (0, 0, 1), sync on the current ones (0, 1, 2).
     versions = sorted({(r["tick"], r["policy_version"]) for r in read_samples(out)})
     assert versions == ([(0, 0), (1, 0), (2, 1)] if mode == "async" else [(0, 0), (1, 1), (2, 2)])
-    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    metrics = read_step_metrics(out)
     assert [m["policy/lag"] for m in metrics] == ([0.0, 1.0, 1.0] if mode == "async" else [0.0, 0.0, 0.0])
     assert list(out.glob("wandb/offline-run-*")), "no offline W&B run written"
     assert (out / "report.png").read_bytes().startswith(b"\x89PNG")
@@ -103,7 +109,7 @@ def test_math_app_offline_on_embedded_data_with_two_generators_and_a_loss_picked
     assert "Retrying" not in result.stderr and "retry" not in result.stderr.lower()
     summary = json.loads((out / "summary.json").read_text())
     assert summary["num_generators"] == 2 and summary["final_policy_version"] == 3
-    first_step = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    first_step = read_step_metrics(out)[0]
     assert "train/clipped_fraction" in first_step  # DAPO's metric: the loss picked by name was used
     assert {p.name for p in out.glob("samples.rank*.jsonl")} == {"samples.rank1.jsonl", "samples.rank2.jsonl"}
 
@@ -155,7 +161,7 @@ def test_app_trains_on_two_fsdp2_trainer_ranks(tiny_model_dir, gsm8k_dir, tmp_pa
     summary = json.loads((out / "summary.json").read_text())
     assert summary["num_trainers"] == 2 and summary["final_policy_version"] == 3
     assert summary["weight_sync_s"] > 0 and len(summary["peak_rss_mb_per_rank"]) == 3
-    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = read_step_metrics(out)
     assert [m["policy/lag"] for m in steps] == [0.0, 1.0, 1.0]
     # Metrics are of the whole batch (both ranks): every generated token was trained on.
     assert [m["train/num_valid_tokens"] for m in steps] == [m["train/num_completion_tokens"] for m in steps]
