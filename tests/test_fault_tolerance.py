@@ -190,9 +190,11 @@ def test_kill_during_a_checkpoint_write_resumes_from_the_previous_checkpoint(
 
 
 @pytest.mark.timeout(900)
-def test_a_killed_trainer_is_restarted_by_torch_elastic_and_resumes_by_itself(
-    uninterrupted, three_or_four_model, answers_three, tmp_path
+@pytest.mark.parametrize("rank", [0, 1], ids=["trainer", "generator"])
+def test_a_killed_rank_is_restarted_by_torch_elastic_and_the_run_resumes_by_itself(
+    uninterrupted, three_or_four_model, answers_three, tmp_path, rank
 ):
+    """Torch elastic restarts every rank (the trainer reloads its state from the checkpoint too)."""
     out = tmp_path / "restarted"
     args = args_for(
         three_or_four_model,
@@ -204,8 +206,8 @@ def test_a_killed_trainer_is_restarted_by_torch_elastic_and_resumes_by_itself(
         "1",
         "--no-wandb",
     )
-    # SIGKILL of the trainer at the start of tick 3: step 3 is lost with it, checkpoint 2 is the latest.
-    result = run_app(*args, env={"LLAMARL_FAULT": "0:3:kill"})
+    # SIGKILL at the start of tick 3: step 3 is lost, checkpoint 2 is the latest.
+    result = run_app(*args, env={"LLAMARL_FAULT": f"{rank}:3:kill"})
     assert result.returncode == 0, result.stderr[-4000:]
     assert json.loads((out / "errors" / "injected_fault.json").read_text())["tick"] == 3
     summary = json.loads((out / "summary.json").read_text())
