@@ -86,9 +86,9 @@ def three_or_four_model(tmp_path_factory) -> Path:
     return path
 
 
-def args_for(model: Path, data: Path, out: Path, *extra: str) -> list[str]:
+def args_for(model: Path, data: Path, out: Path, *extra: str, mode: str = "sync") -> list[str]:
     return [
-        "--model", str(model), "--data", str(data), "--output-dir", str(out), "--mode", "sync",
+        "--model", str(model), "--data", str(data), "--output-dir", str(out), "--mode", mode,
         "--steps", str(STEPS), "--prompts-per-step", "2", "--samples-per-prompt", "4",
         "--max-new-tokens", "1", "--eval-size", "2", "--lr", "1e-3", "--seed", "7", *extra,
     ]  # fmt: skip
@@ -111,13 +111,16 @@ def steps_logged(out: Path) -> list[int]:
     return [r["step"] for r in rows if "train/reward_mean" in r]
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(three_or_four_model, answers_three, tmp_path_factory) -> Path:
+def reference_run(model: Path, data: Path, out: Path, mode: str) -> Path:
     """The reference: STEPS steps in one go, no checkpoints."""
-    out = tmp_path_factory.mktemp("uninterrupted")
-    result = run_app(*args_for(three_or_four_model, answers_three, out), "--no-wandb")
+    result = run_app(*args_for(model, data, out, mode=mode), "--no-wandb")
     assert result.returncode == 0, result.stderr[-4000:]
     return out
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(three_or_four_model, answers_three, tmp_path_factory) -> Path:
+    return reference_run(three_or_four_model, answers_three, tmp_path_factory.mktemp("uninterrupted"), "sync")
 
 
 def test_the_reference_run_learns(uninterrupted, three_or_four_model):
@@ -190,22 +193,26 @@ def test_kill_during_a_checkpoint_write_resumes_from_the_previous_checkpoint(
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("rank", [0, 1], ids=["trainer", "generator"])
+@pytest.mark.parametrize(
+    ("mode", "rank"),
+    [("sync", 0), ("sync", 1), ("async", 1)],
+    ids=["trainer", "generator", "async-generator"],
+)
 def test_a_killed_rank_is_restarted_by_torch_elastic_and_the_run_resumes_by_itself(
-    uninterrupted, three_or_four_model, answers_three, tmp_path, rank
+    uninterrupted, three_or_four_model, answers_three, tmp_path, mode, rank
 ):
-    """Torch elastic restarts every rank (the trainer reloads its state from the checkpoint too)."""
+    """Torch elastic restarts every rank (the trainer reloads its state from the checkpoint too).
+
+    In async mode checkpoint 2 also holds the batch the generator made at tick 2 and had not sent yet:
+    it is trained on once, after the restart, as in the uninterrupted run.
+    """
+    if mode == "async":
+        uninterrupted = reference_run(three_or_four_model, answers_three, tmp_path / "reference", mode)
     out = tmp_path / "restarted"
     args = args_for(
-        three_or_four_model,
-        answers_three,
-        out,
-        "--checkpoint-every",
-        "2",
-        "--max-restarts",
-        "1",
-        "--no-wandb",
-    )
+        three_or_four_model, answers_three, out,
+        "--checkpoint-every", "2", "--max-restarts", "1", "--no-wandb", mode=mode,
+    )  # fmt: skip
     # SIGKILL at the start of tick 3: step 3 is lost, checkpoint 2 is the latest.
     result = run_app(*args, env={"LLAMARL_FAULT": f"{rank}:3:kill"})
     assert result.returncode == 0, result.stderr[-4000:]

@@ -99,7 +99,7 @@ def _rank_main(
         threads = config.threads_per_rank or _default_threads(config)
         torch.set_num_threads(threads)
         _quiet_libraries()
-        dist.init_process_group("gloo", timeout=timedelta(seconds=config.timeout_s))
+        _init_default_group(config.timeout_s)
         controller = Controller(config, train_examples, eval_examples)
         controller.setup()
         summary = controller.run()
@@ -124,6 +124,31 @@ def _rank_main(
         # run would be blamed on the wrong rank; a short grace period orders the two exits.
         time.sleep(max(0.0, record["time"] + EXIT_GRACE_S - time.time()))
         os._exit(1)  # no traceback on stderr: the launcher prints the first failure once
+
+
+def _init_default_group(timeout_s: float) -> None:
+    """The default (gloo) process group, on a store namespace of its own for each restart attempt.
+
+    Under torch elastic the ranks reach the agent's store, which outlives a restart; with plain env://
+    init a restarted rank could read the gloo address a killed rank of the previous attempt left there
+    and time out connecting to it (seen here: restarted ranks that never met). Prefixing the keys with
+    the attempt number keeps every attempt to its own.
+    """
+    timeout = timedelta(seconds=timeout_s)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        dist.init_process_group("gloo", timeout=timeout)
+        return
+    agent_store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(
+        "gloo",
+        store=dist.PrefixStore(f"llamarl/attempt{attempt}/", agent_store),
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        timeout=timeout,
+    )
 
 
 def _quiet_libraries() -> None:
