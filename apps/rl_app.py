@@ -135,6 +135,26 @@ def build_parser(task: str) -> argparse.ArgumentParser:
     p.add_argument("--wandb-project", default=defaults.wandb_project)
     p.add_argument("--no-wandb", action="store_true", help="do not log to Weights & Biases")
     p.add_argument("--no-save-model", action="store_true", help="do not write OUTPUT_DIR/final_model")
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=defaults.checkpoint_every,
+        help="checkpoint the whole run every K steps into OUTPUT_DIR/checkpoints (0: never)",
+    )
+    p.add_argument(
+        "--keep-checkpoints", type=int, default=defaults.keep_checkpoints, help="complete checkpoints kept"
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the latest complete checkpoint in --output-dir (from the start if none)",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=defaults.max_restarts,
+        help="after a failure restart all ranks up to R times, each resuming from the latest checkpoint",
+    )
     return p
 
 
@@ -202,6 +222,10 @@ def config_from_args(task: str, args: argparse.Namespace, model: str) -> RunConf
         wandb_project=args.wandb_project,
         wandb=not args.no_wandb,
         save_model=not args.no_save_model,
+        checkpoint_every=args.checkpoint_every,
+        keep_checkpoints=args.keep_checkpoints,
+        resume=args.resume,
+        max_restarts=args.max_restarts,
     )
 
 

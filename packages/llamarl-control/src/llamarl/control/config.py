@@ -74,6 +74,12 @@ class RunConfig:
     save_model: bool = True  # write the final policy to OUTPUT_DIR/final_model
     reward_timeout_s: float = 10.0  # per-sample deadline of the answer checker
 
+    # Fault tolerance (llamarl.control.checkpoint).
+    checkpoint_every: int = 0  # checkpoint every this many policy versions (OUTPUT_DIR/checkpoints; 0: never)
+    keep_checkpoints: int = 2  # complete checkpoints kept (older ones are deleted)
+    resume: bool = False  # continue from the latest complete checkpoint in output_dir (fresh start if none)
+    max_restarts: int = 0  # torch elastic restarts of all ranks after a failure; each resumes by itself
+
     @property
     def world_size(self) -> int:
         return self.num_trainers + self.num_generators
@@ -99,7 +105,9 @@ class RunConfig:
             raise ConfigError(f"mode must be 'async' or 'sync', got {self.mode!r}")
         if self.temperature <= 0:
             raise ConfigError(f"temperature must be positive, got {self.temperature}")
-        for name in ("eval_size", "eval_samples", "eval_every"):
+        if self.keep_checkpoints < 1:
+            raise ConfigError(f"keep_checkpoints must be at least 1, got {self.keep_checkpoints}")
+        for name in ("eval_size", "eval_samples", "eval_every", "checkpoint_every", "max_restarts"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be 0 or more, got {getattr(self, name)}")
         if self.lr <= 0 or self.timeout_s <= 0 or self.reward_timeout_s <= 0:

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from llamarl.comm import WeightSender, WeightSyncGroup
+from llamarl.control import checkpoint as ckpt
 from llamarl.control.channels import concat_rollouts, recv_rollouts, send_rollouts
 from llamarl.control.config import RunConfig
 from llamarl.control.evaluation import EvalResult, paired_delta_ci
@@ -47,8 +48,13 @@ from llamarl.control.timeline import Timeline, write_chrome_trace
 from llamarl.exec.types import RolloutBatch
 
 TRAINER_RANK = 0  # the first trainer rank: receives rollouts, logs metrics, writes the summary
+# Settings that fix which prompts each tick sees and how they are split: a resumed run must keep them.
+_MUST_MATCH_ON_RESUME = ("mode", "seed", "prompts_per_step", "samples_per_prompt", "num_generators", "task")
 EVAL_CHUNK = 32  # prompts per greedy generate call during evaluation
-FAULT_ENV = "LLAMARL_FAULT"  # "RANK:TICK" raises on that rank at that tick, "RANK:TICK:kill" kills it
+# "RANK:TICK" raises on that rank at the start of that tick, "RANK:TICK:kill" kills it (SIGKILL);
+# a last ":checkpoint" strikes instead inside the checkpoint write of that tick, after the rank has
+# written its part and before the commit. Faults strike in the first attempt only, not after a restart.
+FAULT_ENV = "LLAMARL_FAULT"
 
 
 class PolicyLagError(RuntimeError):
@@ -86,6 +92,8 @@ class Controller:
         self._tick = -1  # the tick being run (-1 before and after the training loop)
         self._eval_history: list[EvalResult] = []  # trainer: every evaluation, in order
         self._eval_s_in_loop = 0.0  # time spent evaluating inside the training loop (not training)
+        self._resume: ckpt.Found | None = None  # the checkpoint this run continues from
+        self._start_tick = 0  # the first tick to run (after the resumed checkpoint's)
 
     # ----------------------------------------------------------------------------------------------
     # lifecycle
@@ -96,10 +104,10 @@ class Controller:
         device = _device(cfg.device)
         torch.manual_seed(cfg.seed + self.rank)
         self.tokenizer = load_tokenizer(cfg.model)
-        trainer_group = self._new_trainer_group()
+        self.trainer_group = self._new_trainer_group()  # FSDP2, the trainer's all-reduces, checkpoints
         if self.is_trainer:
             self.trainer = build_trainer(
-                cfg, device, trainer_group if trainer_uses_fsdp(cfg, device) else None
+                cfg, device, self.trainer_group if trainer_uses_fsdp(cfg, device) else None
             )
             self.trainer.setup()
         else:
@@ -117,6 +125,8 @@ class Controller:
             world_size=self.world_size,
             timeout_s=cfg.timeout_s,
         )
+        saved = self._setup_checkpoints()
+        samples_path = self.output_dir / f"samples.rank{self.rank}.jsonl"
         if self.is_trainer:
             self.weight_group = WeightSyncGroup(**group_args)
             # Every trainer rank is a source: with FSDP2 each sends the slices its shards hold.
@@ -128,16 +138,70 @@ class Controller:
             )
         if self.is_logger:
             self.output_dir.mkdir(parents=True, exist_ok=True)
+            if cfg.resume:  # lines written after the checkpoint are made again, so cut them
+                ckpt.truncate(self.output_dir / "metrics.jsonl", saved.get("metrics_bytes", 0))
             self.logger = MetricsLogger(
                 output_dir=self.output_dir,
                 total_steps=cfg.steps,
                 config=_plain(cfg),
                 wandb_project=cfg.wandb_project if cfg.wandb else None,
+                wandb_id=saved.get("wandb_id"),
+                initial_step=saved.get("policy_version", 0),
             )
         if not self.is_trainer:
             # A vLLM generator's engine joins in this rank's place and receives straight from the trainer.
             self.receiver = open_weight_receiver(self.generator, **group_args, src_rank=TRAINER_RANK)
-            self._samples = (self.output_dir / f"samples.rank{self.rank}.jsonl").open("a", encoding="utf-8")
+            if cfg.resume:
+                ckpt.truncate(samples_path, saved.get("samples_bytes", {}).get(str(self.rank), 0))
+            self._samples = samples_path.open("a", encoding="utf-8")
+        if self._resume is not None:
+            self._restore(saved)
+
+    def _setup_checkpoints(self) -> dict[str, Any]:
+        """Builds the checkpoint writer; on resume picks the checkpoint and returns its controller state.
+
+        Returns {} for a fresh start.
+        """
+        cfg = self.config
+        if not (cfg.checkpoint_every or cfg.resume):
+            return {}
+        root = self.output_dir / ckpt.CHECKPOINTS_DIR
+        self.checkpoints = ckpt.CheckpointWriter(
+            root, rank=self.rank, world_size=self.world_size, keep=cfg.keep_checkpoints
+        )
+        if not cfg.resume:
+            return {}
+        self._resume = ckpt.choose_on_rank0(root, rank=self.rank, log=print)
+        if self._resume is None:
+            if self.is_logger:
+                print(f"no complete checkpoint in {root}: starting from the beginning", flush=True)
+            return {}
+        saved = ckpt.load_controller_state(self._resume)
+        for key in _MUST_MATCH_ON_RESUME:
+            if saved["config"][key] != getattr(cfg, key):
+                raise ckpt.CheckpointError(
+                    f"{self._resume.path} was written with {key}={saved['config'][key]!r}, "
+                    f"this run has {getattr(cfg, key)!r}"
+                )
+        return saved
+
+    def _restore(self, saved: dict[str, Any]) -> None:
+        """Loads this rank's part of the chosen checkpoint; the generators get its weights in run()."""
+        assert self._resume is not None
+        self._start_tick = saved["tick"]
+        mine = ckpt.load_rank_state(self._resume, self.rank, self.world_size)
+        if self.is_trainer:  # every trainer rank loads its shards
+            ckpt.load_trainer(self._resume, self.trainer.model, self.trainer.optimizer, self.trainer_group)
+            self.trainer.policy_version = saved["policy_version"]
+        if self.is_logger:
+            self._step_records = saved["step_records"]
+            self._eval_history = [EvalResult(**e) for e in saved["eval_history"]]
+            self._last_sync_s = saved["last_sync_s"]
+            self.logger.write(f"resumed from {self._resume.path} (policy_version {self._resume.step})")
+        if not self.is_trainer and mine.get("pending") is not None:
+            tensors, group_size, metrics = mine["pending"]
+            self._pending = (RolloutBatch(group_size=group_size, **tensors), metrics)
+        ckpt.restore_rng(mine["rng"])  # last: nothing above may draw from the restored streams
 
     def _new_trainer_group(self) -> dist.ProcessGroup:
         """The trainer ranks' own process group (FSDP2 and the trainer's all-reduces run on it, never
@@ -161,12 +225,21 @@ class Controller:
         cfg = self.config
         run_start = time.perf_counter()
         self._maybe_fail(tick=-1)
-        self._evaluate("start")
+        if self._resume is None:
+            self._evaluate("start")
+        else:
+            # The generators loaded the initial model: they serve the checkpointed policy from here.
+            self._sync_weights()
+            # A checkpoint of an async run's last tick holds no rollouts in flight; a longer run needs
+            # them, so they are made now (by the restored policy: lag 0 for that one batch).
+            in_flight_lost = cfg.mode == "async" and not self.is_trainer and self._pending is None
+            if in_flight_lost and 0 < self._start_tick <= cfg.steps:
+                self._generate(self._start_tick - 1)
         loop_start = self._loop_clock()
         if cfg.mode == "async":
             # Tick t: move batch t-1 and weights of version t-1, then generate batch t while the
             # trainer trains on batch t-1 (sampled by version t-2): one policy version off.
-            for tick in range(cfg.steps + 1):
+            for tick in range(self._start_tick, cfg.steps + 1):
                 self._tick = tick
                 self._maybe_fail(tick)
                 self._maybe_evaluate(tick)
@@ -178,9 +251,10 @@ class Controller:
                     self._generate(tick)
                 if tick >= 1:
                     self._train()
+                    self._maybe_checkpoint(tick, policy_version=tick)
             self._sync_weights()  # the generators serve the final policy for evaluation
         else:
-            for tick in range(cfg.steps):
+            for tick in range(self._start_tick, cfg.steps):
                 self._tick = tick
                 self._maybe_fail(tick)
                 self._maybe_evaluate(tick)
@@ -188,6 +262,7 @@ class Controller:
                 self._move_rollouts()
                 self._train()
                 self._sync_weights()
+                self._maybe_checkpoint(tick, policy_version=tick + 1)
         loop_s = self._loop_clock() - loop_start
         self._tick = -1
         if self.is_trainer and cfg.save_model:
@@ -340,6 +415,55 @@ class Controller:
             else:
                 self.generator.policy_version = self.receiver.receive()
 
+    def _maybe_checkpoint(self, tick: int, *, policy_version: int) -> None:
+        """Every `checkpoint_every` policy versions, at the end of a tick: every rank writes its part.
+
+        Every rank knows `policy_version` from the tick alone (no message needed). Nothing is in the
+        channels then; in async mode the generators' batch made but not yet sent is saved with them.
+        """
+        every = self.config.checkpoint_every
+        if not every or policy_version % every:
+            return
+        rank_state: dict[str, Any] = {}
+        controller_state = None
+        if self.is_trainer:
+            assert policy_version == self.trainer.policy_version
+        if self.is_logger:
+            controller_state = {
+                "tick": tick + 1,  # the tick a resumed run starts with
+                "policy_version": policy_version,
+                "config": {k: getattr(self.config, k) for k in _MUST_MATCH_ON_RESUME},
+                "step_records": self._step_records,
+                "eval_history": [asdict(e) for e in self._eval_history],
+                "last_sync_s": self._last_sync_s,
+                "wandb_id": self.logger.wandb_id,
+                "metrics_bytes": self.logger.jsonl_bytes(),
+                "samples_bytes": self._gather_samples_bytes(),
+            }
+        else:
+            self._gather_samples_bytes()
+        if not self.is_trainer and self._pending is not None:
+            batch, metrics = self._pending
+            rank_state["pending"] = (batch.tensors(), batch.group_size, metrics)
+        with self.timeline.phase("checkpoint", tick):
+            self.checkpoints.save(
+                policy_version,
+                rank_state=rank_state,
+                trainer=(self.trainer.model, self.trainer.optimizer) if self.is_trainer else None,
+                trainer_group=self.trainer_group,
+                controller_state=controller_state,
+                before_commit=lambda: self._maybe_fail(tick, phase="checkpoint"),
+            )
+
+    def _gather_samples_bytes(self) -> dict[str, int] | None:
+        """The length of every generator's samples file, on the logging rank (collective)."""
+        size = torch.zeros(self.world_size, dtype=torch.int64)
+        if not self.is_trainer:
+            self._samples.flush()
+            size[self.rank] = self._samples.tell()
+        dist.all_reduce(size)
+        return {str(r): int(size[r]) for r in self.generator_ranks} if self.is_logger else None
+
     def _loop_clock(self) -> float:
         """Seconds on a clock that stops while evaluating inside the loop: step times are training only."""
         return time.perf_counter() - self._eval_s_in_loop
@@ -440,15 +564,17 @@ class Controller:
         ]
         return self.tokenizer.batch_decode(ids, skip_special_tokens=True)
 
-    def _maybe_fail(self, tick: int) -> None:
-        if self._fault is None or self._fault[:2] != (self.rank, tick):
+    def _maybe_fail(self, tick: int, phase: str = "tick") -> None:
+        if self._fault is None or self._fault[:2] != (self.rank, tick) or self._fault[3] != phase:
             return
+        if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+            return  # the restarted run must get past the point where the first attempt failed
         # Tests measure how long the run takes to end after the fault, so record when it struck.
-        marker = {"rank": self.rank, "tick": tick, "time": time.time()}
+        marker = {"rank": self.rank, "tick": tick, "phase": phase, "time": time.time()}
         (self.output_dir / "errors" / "injected_fault.json").write_text(json.dumps(marker))
         if self._fault[2]:
             os.kill(os.getpid(), signal.SIGKILL)
-        raise RuntimeError(f"injected failure on rank {self.rank} at tick {tick} ({FAULT_ENV})")
+        raise RuntimeError(f"injected failure on rank {self.rank} at tick {tick}, {phase} ({FAULT_ENV})")
 
     def _write_trace(self) -> None:
         """Gathers every rank's phases on the trainer, which writes OUTPUT_DIR/trace.json."""
@@ -478,7 +604,8 @@ class Controller:
     ) -> dict[str, Any]:
         cfg = self.config
         records = self._step_records
-        step_times = [r["time/step_s"] for r in records[1:]]
+        # A resumed run's first step has no previous end to measure from (nan): left out.
+        step_times = [r["time/step_s"] for r in records[1:] if r["time/step_s"] == r["time/step_s"]]
         total_tokens = sum(r["train/num_completion_tokens"] for r in records)
         syncs = [
             r["time/weight_sync_s"] for r in records if r["time/weight_sync_s"] == r["time/weight_sync_s"]
@@ -505,6 +632,7 @@ class Controller:
             "eval_size": len(self.eval_examples),
             **_eval_summary(self._eval_history),
             "final_policy_version": self.trainer.policy_version,
+            "resumed_from_step": None if self._resume is None else self._resume.step,
             "peak_rss_mb_per_rank": peak_rss_mb,
             "peak_rss_mb_total": sum(peak_rss_mb),
         }
@@ -558,11 +686,13 @@ def _device(name: str) -> torch.device:
     return torch.device("cpu")
 
 
-def _parse_fault(spec: str | None) -> tuple[int, int, bool] | None:
+def _parse_fault(spec: str | None) -> tuple[int, int, bool, str] | None:
+    """(rank, tick, kill, phase) from "RANK:TICK[:kill][:checkpoint]"."""
     if not spec:
         return None
     parts = spec.split(":")
-    return int(parts[0]), int(parts[1]), len(parts) > 2 and parts[2] == "kill"
+    flags = set(parts[2:])
+    return int(parts[0]), int(parts[1]), "kill" in flags, "checkpoint" if "checkpoint" in flags else "tick"
 
 
 def _plain(config: RunConfig) -> dict[str, Any]:

@@ -1,13 +1,16 @@
 """Starts the ranks of a run through torch elastic (what `torchrun` uses) and reports failures once.
 
 Every rank runs `llamarl.control.controller.Controller`. When any rank raises or dies, torch elastic
-stops the others; the launcher then shows the first rank's original error (its traceback, written by
+stops the others. With `max_restarts` R > 0 it then starts all ranks again, up to R times, and every
+restarted rank resumes from the latest complete checkpoint by itself. When no restart is left the
+launcher shows the first rank's original error (its traceback, written by
 the rank itself to OUTPUT_DIR/errors/) once, and raises `RunFailed`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -59,7 +62,7 @@ def launch(config: RunConfig, train_examples: list[Example], eval_examples: list
         rdzv_backend="c10d",
         rdzv_endpoint=endpoint,
         rdzv_configs={"join_timeout": config.timeout_s},
-        max_restarts=0,  # a failed RL run stops; resuming is a new launch
+        max_restarts=config.max_restarts,  # restarted ranks resume from the latest checkpoint
         monitor_interval=0.2,
         start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=str(output_dir / "logs")),
@@ -90,10 +93,13 @@ def _rank_main(
     """The body of every rank. On error it records its traceback and exits non-zero without printing."""
     controller = None
     try:
+        if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+            # torch elastic restarted the ranks after a failure: continue from the latest checkpoint.
+            config = dataclasses.replace(config, resume=True)
         threads = config.threads_per_rank or _default_threads(config)
         torch.set_num_threads(threads)
         _quiet_libraries()
-        dist.init_process_group("gloo", timeout=timedelta(seconds=config.timeout_s))
+        _init_default_group(config.timeout_s)
         controller = Controller(config, train_examples, eval_examples)
         controller.setup()
         summary = controller.run()
@@ -118,6 +124,31 @@ def _rank_main(
         # run would be blamed on the wrong rank; a short grace period orders the two exits.
         time.sleep(max(0.0, record["time"] + EXIT_GRACE_S - time.time()))
         os._exit(1)  # no traceback on stderr: the launcher prints the first failure once
+
+
+def _init_default_group(timeout_s: float) -> None:
+    """The default (gloo) process group, on a store namespace of its own for each restart attempt.
+
+    Under torch elastic the ranks reach the agent's store, which outlives a restart; with plain env://
+    init a restarted rank could read the gloo address a killed rank of the previous attempt left there
+    and time out connecting to it (seen here: restarted ranks that never met). Prefixing the keys with
+    the attempt number keeps every attempt to its own.
+    """
+    timeout = timedelta(seconds=timeout_s)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        dist.init_process_group("gloo", timeout=timeout)
+        return
+    agent_store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(
+        "gloo",
+        store=dist.PrefixStore(f"llamarl/attempt{attempt}/", agent_store),
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        timeout=timeout,
+    )
 
 
 def _quiet_libraries() -> None:

@@ -22,14 +22,34 @@ class MetricsLogger:
     """Writes each step's metrics to OUTPUT_DIR/metrics.jsonl, to W&B, and to a console progress bar."""
 
     def __init__(
-        self, *, output_dir: Path, total_steps: int, config: dict[str, Any], wandb_project: str | None
+        self,
+        *,
+        output_dir: Path,
+        total_steps: int,
+        config: dict[str, Any],
+        wandb_project: str | None,
+        wandb_id: str | None = None,
+        initial_step: int = 0,
     ) -> None:
+        """`wandb_id` continues that W&B run (a resumed job); `initial_step` starts the progress bar."""
         self.output_dir = output_dir
         self._jsonl = (output_dir / "metrics.jsonl").open("a", encoding="utf-8")
-        self._bar = tqdm(total=total_steps, desc="rl steps", unit="step", dynamic_ncols=True)
+        self._bar = tqdm(
+            total=total_steps, initial=initial_step, desc="rl steps", unit="step", dynamic_ncols=True
+        )
         self._wandb_run = None
         if wandb_project:
-            self._wandb_run = _start_wandb(wandb_project, output_dir, config)
+            self._wandb_run = _start_wandb(wandb_project, output_dir, config, wandb_id)
+
+    @property
+    def wandb_id(self) -> str | None:
+        """The W&B run id (saved in checkpoints so that a resumed job continues the same run)."""
+        return None if self._wandb_run is None else str(self._wandb_run.id)
+
+    def jsonl_bytes(self) -> int:
+        """The length of metrics.jsonl so far (a resumed job cuts it back to this)."""
+        self._jsonl.flush()
+        return self._jsonl.tell()
 
     @property
     def wandb_dir(self) -> str | None:
@@ -67,13 +87,15 @@ class MetricsLogger:
             self._wandb_run = None
 
 
-def _start_wandb(project: str, output_dir: Path, config: dict[str, Any]):
+def _start_wandb(project: str, output_dir: Path, config: dict[str, Any], run_id: str | None):
     import wandb  # heavy import, only on the logging rank
 
     return wandb.init(
         project=project,
         dir=str(output_dir),
         config=config,
+        id=run_id,
+        resume="allow" if run_id else None,
         mode=_wandb_mode(),
         settings=wandb.Settings(console="off", silent=True),
     )

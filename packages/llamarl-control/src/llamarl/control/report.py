@@ -23,6 +23,7 @@ PHASE_COLORS = {
     "weight_sync": "tab:red",
     "rollouts": "tab:purple",
     "eval": "tab:green",
+    "checkpoint": "tab:brown",
     "idle": "lightgray",
 }
 

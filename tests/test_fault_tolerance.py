@@ -1,0 +1,227 @@
+"""Never lose a run: checkpoints, resume, and real kills (SIGKILL) of ranks, end to end.
+
+Every run here learns something, so that "the same weights" means something: the tiny model below is
+rigged to answer "3" or "4" (about half each) to questions whose answer is 3, so rewards differ within
+every group, advantages are not zero, and the weights move at every step along a path that depends on
+the sampled tokens (the generator's RNG) and on the prompt order. Each fault test then compares its
+final weights bitwise with those of an uninterrupted run of the same seed (fp32, sync mode).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 4
+
+
+def run_app(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 400
+) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", **(env or {})}
+    full_env.pop("LLAMARL_FAULT", None)
+    full_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, str(REPO / "apps" / "gsm8k_rl"), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full_env,
+        cwd=REPO,
+    )
+
+
+@pytest.fixture(scope="module")
+def answers_three(tmp_path_factory) -> Path:
+    """GSM8K-schema data whose every answer is 3."""
+    path = tmp_path_factory.mktemp("threes")
+    for split, n in (("train", 16), ("test", 4)):
+        rows = [
+            {"question": f"Question {split} {i}: what is {i} - {i} + 3?", "answer": "#### 3"}
+            for i in range(n)
+        ]
+        (path / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def three_or_four_model(tmp_path_factory) -> Path:
+    """A 2-layer Llama (SmolLM2's tokenizer) that samples the token "3" or "4", about half each.
+
+    Residual dimension 0 holds a constant (large in every embedding, never written by attention or
+    MLP outputs), so after the final norm it is a constant positive feature; only the output rows of
+    "3" and "4" read it, so those two tokens dominate every softmax whatever the context.
+    """
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from llamarl.exec.models import smollm2_path
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path())
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 10.0
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight[0] = 0.0
+            layer.mlp.down_proj.weight[0] = 0.0
+        for digit in ("3", "4"):
+            (token,) = tokenizer.encode(digit, add_special_tokens=False)
+            model.lm_head.weight[token, 0] = 5.0
+    path = tmp_path_factory.mktemp("three_or_four")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def args_for(model: Path, data: Path, out: Path, *extra: str, mode: str = "sync") -> list[str]:
+    return [
+        "--model", str(model), "--data", str(data), "--output-dir", str(out), "--mode", mode,
+        "--steps", str(STEPS), "--prompts-per-step", "2", "--samples-per-prompt", "4",
+        "--max-new-tokens", "1", "--eval-size", "2", "--lr", "1e-3", "--seed", "7", *extra,
+    ]  # fmt: skip
+
+
+def final_weights(out: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(out / "final_model" / "model.safetensors")
+
+
+def assert_bitwise_equal(a: dict, b: dict) -> None:
+    assert sorted(a) == sorted(b)
+    different = [name for name in a if not (a[name] == b[name]).all()]
+    assert not different, f"weights differ: {different}"
+
+
+def steps_logged(out: Path) -> list[int]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r["step"] for r in rows if "train/reward_mean" in r]
+
+
+def reference_run(model: Path, data: Path, out: Path, mode: str) -> Path:
+    """The reference: STEPS steps in one go, no checkpoints."""
+    result = run_app(*args_for(model, data, out, mode=mode), "--no-wandb")
+    assert result.returncode == 0, result.stderr[-4000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(three_or_four_model, answers_three, tmp_path_factory) -> Path:
+    return reference_run(three_or_four_model, answers_three, tmp_path_factory.mktemp("uninterrupted"), "sync")
+
+
+def test_the_reference_run_learns(uninterrupted, three_or_four_model):
+    """Guards the other tests: identical weights must not come from weights that never move."""
+    from safetensors.torch import load_file
+
+    rewards = [
+        json.loads(line)["reward"]
+        for line in (uninterrupted / "samples.rank1.jsonl").read_text().splitlines()
+    ]
+    assert 0 < sum(rewards) < len(rewards), rewards  # both right and wrong answers: advantages are not 0
+    start = load_file(three_or_four_model / "model.safetensors")
+    end = final_weights(uninterrupted)
+    assert any(not (start[k] == end[k]).all() for k in start), "training did not change the weights"
+
+
+@pytest.mark.timeout(900)
+def test_a_run_stopped_and_resumed_ends_with_the_same_weights_and_the_same_w_and_b_run(
+    uninterrupted, three_or_four_model, answers_three, tmp_path
+):
+    out = tmp_path / "resumed"
+    half = args_for(three_or_four_model, answers_three, out, "--checkpoint-every", "1")
+    half[half.index("--steps") + 1] = str(STEPS // 2)
+    result = run_app(*half)
+    assert result.returncode == 0, result.stderr[-4000:]
+    checkpoints = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert checkpoints == ["step_00000001", "step_00000002"]  # keep 2 (the default)
+    result = run_app(
+        *args_for(three_or_four_model, answers_three, out, "--checkpoint-every", "1", "--resume")
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "resumed from" in result.stdout + result.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["resumed_from_step"] == STEPS // 2 and summary["final_policy_version"] == STEPS
+    assert summary["steps"] == STEPS  # the metrics history came back with the checkpoint
+    assert_bitwise_equal(final_weights(out), final_weights(uninterrupted))
+    # Same prompts in the same order, each completion once: the samples log matches line for line.
+    assert (out / "samples.rank1.jsonl").read_text().splitlines() == (
+        uninterrupted / "samples.rank1.jsonl"
+    ).read_text().splitlines()
+    assert steps_logged(out) == list(range(1, STEPS + 1))
+    # The W&B run continues: both offline run folders carry the same run id.
+    run_ids = {p.name.rsplit("-", 1)[1] for p in (out / "wandb").glob("offline-run-*")}
+    assert len(list((out / "wandb").glob("offline-run-*"))) == 2 and len(run_ids) == 1, run_ids
+
+
+@pytest.mark.timeout(900)
+def test_kill_during_a_checkpoint_write_resumes_from_the_previous_checkpoint(
+    uninterrupted, three_or_four_model, answers_three, tmp_path
+):
+    out = tmp_path / "killed_in_write"
+    args = args_for(three_or_four_model, answers_three, out, "--checkpoint-every", "1", "--no-wandb")
+    # SIGKILL of the trainer inside the write of checkpoint 3 (tick 2), after its files are written
+    # and before the commit.
+    result = run_app(*args, env={"LLAMARL_FAULT": "0:2:kill:checkpoint"})
+    assert result.returncode == 1 and "rank 0 died (SIGKILL)" in result.stderr, result.stderr[-4000:]
+    fault = json.loads((out / "errors" / "injected_fault.json").read_text())
+    assert fault["phase"] == "checkpoint"
+    names = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert names == ["step_00000001", "step_00000002", "step_00000003.tmp"], names
+    assert not (out / "checkpoints" / "step_00000003.tmp" / "complete").exists()
+    result = run_app(*args, "--resume")
+    assert result.returncode == 0, result.stderr[-4000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["resumed_from_step"] == 2 and summary["final_policy_version"] == STEPS
+    assert steps_logged(out) == list(range(1, STEPS + 1))
+    assert_bitwise_equal(final_weights(out), final_weights(uninterrupted))
+    names = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert names == ["step_00000003", "step_00000004"], names  # the broken write was replaced
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(
+    ("mode", "rank"),
+    [("sync", 0), ("sync", 1), ("async", 1)],
+    ids=["trainer", "generator", "async-generator"],
+)
+def test_a_killed_rank_is_restarted_by_torch_elastic_and_the_run_resumes_by_itself(
+    uninterrupted, three_or_four_model, answers_three, tmp_path, mode, rank
+):
+    """Torch elastic restarts every rank (the trainer reloads its state from the checkpoint too).
+
+    In async mode checkpoint 2 also holds the batch the generator made at tick 2 and had not sent yet:
+    it is trained on once, after the restart, as in the uninterrupted run.
+    """
+    if mode == "async":
+        uninterrupted = reference_run(three_or_four_model, answers_three, tmp_path / "reference", mode)
+    out = tmp_path / "restarted"
+    args = args_for(
+        three_or_four_model, answers_three, out,
+        "--checkpoint-every", "2", "--max-restarts", "1", "--no-wandb", mode=mode,
+    )  # fmt: skip
+    # SIGKILL at the start of tick 3: step 3 is lost, checkpoint 2 is the latest.
+    result = run_app(*args, env={"LLAMARL_FAULT": f"{rank}:3:kill"})
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert json.loads((out / "errors" / "injected_fault.json").read_text())["tick"] == 3
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["resumed_from_step"] == 2 and summary["final_policy_version"] == STEPS
+    # Nothing lost, nothing done twice: each step logged once, each rollout sampled once, same weights.
+    assert steps_logged(out) == list(range(1, STEPS + 1))
+    assert (out / "samples.rank1.jsonl").read_text().splitlines() == (
+        uninterrupted / "samples.rank1.jsonl"
+    ).read_text().splitlines()
+    assert_bitwise_equal(final_weights(out), final_weights(uninterrupted))
