@@ -225,3 +225,30 @@ def test_a_killed_rank_is_restarted_by_torch_elastic_and_the_run_resumes_by_itse
         uninterrupted / "samples.rank1.jsonl"
     ).read_text().splitlines()
     assert_bitwise_equal(final_weights(out), final_weights(uninterrupted))
+
+
+@pytest.mark.timeout(900)
+def test_a_sharded_trainer_checkpoints_its_shards_and_resumes_to_the_same_weights(
+    three_or_four_model, answers_three, tmp_path
+):
+    """Two FSDP2 trainer ranks: each saves and loads its own shards; resumed == uninterrupted."""
+    sharded = ("--num-trainers", "2")
+    reference = tmp_path / "reference_sharded"
+    result = run_app(*args_for(three_or_four_model, answers_three, reference, *sharded), "--no-wandb")
+    assert result.returncode == 0, result.stderr[-4000:]
+    out = tmp_path / "resumed"
+    half = args_for(
+        three_or_four_model, answers_three, out, *sharded, "--checkpoint-every", "2", "--no-wandb"
+    )
+    half[half.index("--steps") + 1] = str(STEPS // 2)
+    result = run_app(*half)
+    assert result.returncode == 0, result.stderr[-4000:]
+    shards = sorted(p.name for p in (out / "checkpoints" / "step_00000002" / "trainer").glob("*.distcp"))
+    assert len(shards) == 2, shards  # one file of model and optimizer state per trainer rank
+    result = run_app(
+        *args_for(three_or_four_model, answers_three, out, *sharded, "--checkpoint-every", "2", "--resume"),
+        "--no-wandb",
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert json.loads((out / "summary.json").read_text())["resumed_from_step"] == STEPS // 2
+    assert_bitwise_equal(final_weights(out), final_weights(reference))
