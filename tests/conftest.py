@@ -17,33 +17,38 @@ def _shared_data() -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory) -> Path:
-    """A 2-layer Llama with SmolLM2's real tokenizer and chat template, saved as a transformers folder."""
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+def save_tiny_model(tmp_path_factory):
+    """`save_tiny_model(name, **sizes)`: a small random Llama (seed 0) with SmolLM2's real tokenizer and
+    chat template, saved as a transformers folder; `sizes` override `llamarl.exec.models.tiny_model`'s."""
 
-    from llamarl.exec.models import smollm2_path
+    def save(name: str, **sizes) -> Path:
+        from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_path())
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    path = tmp_path_factory.mktemp("tiny_model")
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+        from llamarl.exec.models import smollm2_path, tiny_model
+
+        tokenizer = AutoTokenizer.from_pretrained(smollm2_path())
+        model = tiny_model(
+            len(tokenizer),
+            max_position_embeddings=1024,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            tie_word_embeddings=True,
+            seed=0,
+            **sizes,
+        )
+        path = tmp_path_factory.mktemp(name)
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        return path
+
+    return save
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(save_tiny_model) -> Path:
+    """A 2-layer Llama (hidden 32, 4 heads, tied embeddings) with SmolLM2's tokenizer."""
+    return save_tiny_model("tiny_model")
 
 
 @pytest.fixture(scope="session")

@@ -261,32 +261,11 @@ def test_a_missing_flags_file_ends_in_one_line(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def small_model_dir(tmp_path_factory) -> Path:
+def small_model_dir(save_tiny_model) -> Path:
     """2 layers, hidden 128, 2 heads of 64, tied embeddings (the tied case needs the adapter's re-tie)."""
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    from llamarl.exec.models import smollm2_path
-
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_path())
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+    return save_tiny_model(
+        "small_model", hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1
     )
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("small_model")
-    LlamaForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 @pytest.mark.timeout(600)
