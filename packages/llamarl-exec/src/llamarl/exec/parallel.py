@@ -63,27 +63,28 @@ def shard_model(
     return model
 
 
-def all_reduce_sum(values: list[float], group: dist.ProcessGroup | None) -> list[float]:
-    """The elementwise sum of `values` over the group's ranks (float64; the values as is without one)."""
+def _all_reduce(values: list[float], group: dist.ProcessGroup | None, op: dist.ReduceOp) -> list[float]:
+    """`values` reduced elementwise by `op` over the group's ranks (float64; as is without a group)."""
     if group is None or group_size(group) == 1 or not values:
         return list(values)
     t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    dist.all_reduce(t, op=op, group=group)
     return t.tolist()
+
+
+def all_reduce_sum(values: list[float], group: dist.ProcessGroup | None) -> list[float]:
+    """The elementwise sum of `values` over the group's ranks."""
+    return _all_reduce(values, group, dist.ReduceOp.SUM)
 
 
 def all_reduce_max(values: list[float], group: dist.ProcessGroup | None) -> list[float]:
     """The elementwise maximum of `values` over the group's ranks."""
-    if group is None or group_size(group) == 1 or not values:
-        return list(values)
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return t.tolist()
+    return _all_reduce(values, group, dist.ReduceOp.MAX)
 
 
 def all_reduce_min(values: list[float], group: dist.ProcessGroup | None) -> list[float]:
     """The elementwise minimum of `values` over the group's ranks."""
-    return [-v for v in all_reduce_max([-v for v in values], group)]
+    return _all_reduce(values, group, dist.ReduceOp.MIN)
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
