@@ -22,7 +22,7 @@ from llamarl.algo import (
 )
 from llamarl.control import TASKS, ConfigError, DataError, RunConfig, RunFailed, launch, load_examples
 from llamarl.control.config import KL_ESTIMATOR_NAMES
-from llamarl.control.tasks import hub_unavailable_reason
+from llamarl.control.tasks import Task, hub_unavailable_reason
 from llamarl.exec.schedules import LR_SCHEDULES
 
 CUDA_DEFAULT_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
@@ -158,7 +158,7 @@ def build_parser(task: str) -> argparse.ArgumentParser:
     return p
 
 
-def _data_help(task) -> str:
+def _data_help(task: Task) -> str:
     if task.hub_id is None:
         return "folder with train.jsonl and test.jsonl (default: the task's questions, made in code)"
     return (
