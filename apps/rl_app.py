@@ -58,7 +58,39 @@ def build_parser(task: str) -> argparse.ArgumentParser:
     )
     p.add_argument("--data", help=_data_help(TASKS[task]))
     p.add_argument("--output-dir", default=f"runs/{task}_rl", help="where summary.json, metrics, samples go")
-    p.add_argument("--mode", choices=["async", "sync"], default=defaults.mode)
+    p.add_argument(
+        "--mode",
+        choices=["async", "sync", "stream"],
+        default=defaults.mode,
+        help="async: generation and training overlap in lock step, one policy version apart (the "
+        "paper's); sync: one after the other; stream: generators never wait, the trainer takes the "
+        "freshest groups from a bounded buffer (default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-policy-lag",
+        type=int,
+        default=defaults.max_policy_lag,
+        help="samples whose oldest token is more policy versions old are never trained on (stream "
+        "mode drops and counts them; default: %(default)s)",
+    )
+    p.add_argument(
+        "--stream-buffer",
+        type=int,
+        default=defaults.stream_buffer_groups,
+        metavar="GROUPS",
+        help="stream mode: groups the trainer's buffer holds (0: two steps' worth)",
+    )
+    p.add_argument(
+        "--dynamic-sampling",
+        action="store_true",
+        help="drop groups whose samples all got the same reward and sample more prompts instead",
+    )
+    p.add_argument(
+        "--max-sampling-rounds",
+        type=int,
+        default=defaults.max_sampling_rounds,
+        help="lock step with --dynamic-sampling: generate calls per batch at most (default: %(default)s)",
+    )
     p.add_argument("--steps", type=int, default=defaults.steps, help="optimizer steps")
     p.add_argument("--prompts-per-step", type=int, default=defaults.prompts_per_step)
     p.add_argument("--samples-per-prompt", type=int, default=defaults.samples_per_prompt)
@@ -188,6 +220,10 @@ def config_from_args(task: str, args: argparse.Namespace, model: str) -> RunConf
         model=model,
         output_dir=args.output_dir,
         mode=args.mode,
+        max_policy_lag=args.max_policy_lag,
+        stream_buffer_groups=args.stream_buffer,
+        dynamic_sampling=args.dynamic_sampling,
+        max_sampling_rounds=args.max_sampling_rounds,
         steps=args.steps,
         prompts_per_step=args.prompts_per_step,
         samples_per_prompt=args.samples_per_prompt,

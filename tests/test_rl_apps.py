@@ -91,6 +91,52 @@ def test_gsm8k_app_trains_in_both_modes(tiny_model_dir, gsm8k_dir, tmp_path, mod
 
 
 @pytest.mark.timeout(600)
+def test_gsm8k_app_streams_with_bounded_staleness(tiny_model_dir, gsm8k_dir, tmp_path):
+    """Stream mode: the generator samples back to back, takes new weights in flight, and the trainer
+    never trains on a token older than --max-policy-lag; every group received is accounted for."""
+    out = tmp_path / "stream"
+    args = [*common_args(tiny_model_dir, gsm8k_dir, out), "--mode", "stream", "--steps", "4"]
+    result = run_app("gsm8k_rl", *args, "--max-policy-lag", "1", "--stream-buffer", "4")
+    assert result.returncode == 0, result.stderr[-4000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["mode"] == "stream" and summary["steps"] == 4 and summary["final_policy_version"] == 4
+    assert summary["policy_lag_max"] <= 1
+    counts = summary["stream"]
+    assert counts["received_groups"] == 4 * 2 + counts["dropped_stale_groups"] + counts["unused_groups"]
+    metrics = read_step_metrics(out)
+    for m in metrics:
+        assert m["policy/lag"] <= 1
+        assert m["staleness/lag_0_frac"] + m["staleness/lag_1_frac"] == pytest.approx(1.0)
+        assert 0.0 <= m["idle/generator_frac"] <= 1.0
+    # The first step has no previous one to measure its length (and idle time) from.
+    assert all(0.0 <= m["idle/trainer_frac"] <= 1.0 for m in metrics[1:])
+    # The generator kept sampling while the trainer trained: more requests than steps, overlapping.
+    spans, _ = read_chrome_trace(out / "trace.json")
+    train = [s for s in spans[0] if s.name == "train"]
+    generate = [s for s in spans[1] if s.name == "generate"]
+    assert len(train) == 4 and len(generate) >= 4
+    assert any(g.start < t.end and t.start < g.end for g in generate for t in train)
+    # It took every announced version (the last one before the final evaluation).
+    syncs = [s for s in spans[1] if s.name == "weight_sync"]
+    assert len(syncs) == 4
+
+
+@pytest.mark.timeout(600)
+def test_dynamic_sampling_drops_groups_with_equal_rewards(tiny_model_dir, gsm8k_dir, tmp_path):
+    """An untrained tiny model answers nothing right: every group has equal (zero) rewards, so every
+    round of dynamic sampling is filtered and each batch is topped up after --max-sampling-rounds."""
+    out = tmp_path / "dynamic"
+    args = [*common_args(tiny_model_dir, gsm8k_dir, out), "--mode", "sync", "--eval-size", "0"]
+    result = run_app("gsm8k_rl", *args, "--dynamic-sampling", "--max-sampling-rounds", "3")
+    assert result.returncode == 0, result.stderr[-4000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["sampled_groups"] == 3 * 3 * 2  # steps x rounds x prompts per step
+    assert summary["filtered_groups"] == summary["sampled_groups"]
+    # Every round read new prompts: 18 different questions were sampled.
+    assert len({r["question"] for r in read_samples(out)}) == 18
+
+
+@pytest.mark.timeout(600)
 def test_math_app_offline_on_embedded_data_with_two_generators_and_a_loss_picked_by_name(
     tiny_model_dir, tmp_path
 ):

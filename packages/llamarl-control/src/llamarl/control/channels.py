@@ -14,8 +14,25 @@ import torch.distributed as dist
 
 from llamarl.exec.types import RolloutBatch
 
+# Cumulative generator counters (since the generator started) that travel with each batch; the
+# trainer takes their differences per step (llamarl.control.roles.GeneratorStats).
+GENERATOR_TOTALS = (
+    "generate_s_total",  # seconds spent in generate calls
+    "busy_s_total",  # seconds generating, scoring and taking weights (the rest is idle)
+    "alive_s_total",  # seconds since the generator role started
+    "groups_total",  # groups sampled
+    "filtered_total",  # groups dropped by dynamic sampling (all rewards equal)
+)
 # Generator-side metrics that travel with each batch, in this order (a float64 tensor of length M).
-GENERATOR_METRICS = ("generate_s", "score_s", "num_completion_tokens", "reward_mean", "policy_version")
+GENERATOR_METRICS = (
+    "generate_s",
+    "score_s",
+    "num_completion_tokens",
+    "reward_mean",
+    "policy_version",
+    *GENERATOR_TOTALS,
+)
+_END_OF_STREAM = -1  # a header whose B is this ends a generator's stream (metrics still follow)
 
 _DTYPES = {
     "prompt_ids_BP": torch.int64,
@@ -25,6 +42,7 @@ _DTYPES = {
     "behavior_logprobs_BC": torch.float32,
     "rewards_B": torch.float32,
     "policy_version_B": torch.int64,
+    "token_version_BC": torch.int64,
 }
 _HEADER_LEN = 4  # B, P, C, group_size
 
@@ -39,47 +57,66 @@ def _shape(name: str, num_sequences: int, prompt_len: int, completion_len: int) 
     return tuple(sizes[axis] for axis in name.rsplit("_", 1)[1])
 
 
-def send_rollouts(batch: RolloutBatch, metrics: dict[str, float], *, dst: int) -> None:
-    """Sends `batch` and its generator metrics to rank `dst` (blocking)."""
-    tensors = batch.tensors()
-    if list(tensors) != list(_DTYPES):
+def send_rollouts(
+    batch: RolloutBatch | None,
+    metrics: dict[str, float],
+    *,
+    dst: int,
+    group: dist.ProcessGroup | None = None,
+) -> None:
+    """Sends `batch` and its generator metrics to rank `dst` (blocking) over `group` (default: the
+    default group). `batch=None` sends the end of a stream: only the metrics follow."""
+    tensors = batch.tensors() if batch is not None else {}
+    if batch is not None and list(tensors) != list(_DTYPES):
         raise ValueError(f"RolloutBatch fields changed: {list(tensors)}; update llamarl.control.channels")
-    header = torch.tensor(
-        [
-            batch.num_sequences,
-            batch.prompt_ids_BP.shape[1],
-            batch.completion_ids_BC.shape[1],
-            batch.group_size,
-        ],
-        dtype=torch.int64,
-    )
+    if batch is None:
+        header = torch.tensor([_END_OF_STREAM, 0, 0, 0], dtype=torch.int64)
+    else:
+        header = torch.tensor(
+            [
+                batch.num_sequences,
+                batch.prompt_ids_BP.shape[1],
+                batch.completion_ids_BC.shape[1],
+                batch.group_size,
+            ],
+            dtype=torch.int64,
+        )
     metric_values = torch.tensor(
         [float(metrics.get(k, float("nan"))) for k in GENERATOR_METRICS], dtype=torch.float64
     )
     try:
-        dist.send(header, dst)
+        dist.send(header, dst, group=group)
         for name, tensor in tensors.items():
-            dist.send(tensor.detach().to("cpu", _DTYPES[name]).contiguous(), dst)
-        dist.send(metric_values, dst)
+            dist.send(tensor.detach().to("cpu", _DTYPES[name]).contiguous(), dst, group=group)
+        dist.send(metric_values, dst, group=group)
     except Exception as e:
         raise ChannelError(f"sending rollouts to rank {dst} failed: {e}") from e
 
 
-def recv_rollouts(*, src: int) -> tuple[RolloutBatch, dict[str, float]]:
-    """Receives one batch (and its generator metrics) from rank `src`; raises ChannelError on timeout."""
+def recv_rollouts(
+    *, src: int, group: dist.ProcessGroup | None = None
+) -> tuple[RolloutBatch | None, dict[str, float]]:
+    """Receives one batch (and its generator metrics) from rank `src`; raises ChannelError on timeout.
+
+    The batch is None when `src` ended its stream (`send_rollouts(None, ...)`).
+    """
     try:
         header = torch.empty(_HEADER_LEN, dtype=torch.int64)
-        dist.recv(header, src)
+        dist.recv(header, src, group=group)
         num_sequences, prompt_len, completion_len, group_size = (int(v) for v in header)
         tensors = {}
-        for name, dtype in _DTYPES.items():
-            tensors[name] = torch.empty(_shape(name, num_sequences, prompt_len, completion_len), dtype=dtype)
-            dist.recv(tensors[name], src)
+        if num_sequences != _END_OF_STREAM:
+            for name, dtype in _DTYPES.items():
+                shape = _shape(name, num_sequences, prompt_len, completion_len)
+                tensors[name] = torch.empty(shape, dtype=dtype)
+                dist.recv(tensors[name], src, group=group)
         metric_values = torch.empty(len(GENERATOR_METRICS), dtype=torch.float64)
-        dist.recv(metric_values, src)
+        dist.recv(metric_values, src, group=group)
     except Exception as e:
         raise ChannelError(f"receiving rollouts from rank {src} failed: {e}") from e
     metrics = dict(zip(GENERATOR_METRICS, metric_values.tolist(), strict=True))
+    if num_sequences == _END_OF_STREAM:
+        return None, metrics
     return RolloutBatch(group_size=group_size, **tensors), metrics
 
 

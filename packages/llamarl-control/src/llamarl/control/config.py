@@ -24,7 +24,9 @@ class RunConfig:
     output_dir: str  # summary.json, metrics.jsonl, samples, W&B run, logs, final model
 
     # The schedule.
-    mode: Literal["async", "sync"] = "async"  # async: generate and train at once; sync: in sequence
+    # async: generate and train at once in lock step (lag 1); sync: in sequence (lag 0); stream:
+    # generators never wait for the trainer, which trains on the freshest groups of a bounded buffer
+    mode: Literal["async", "sync", "stream"] = "async"
     steps: int = 4  # optimizer steps (each one policy_version)
     prompts_per_step: int = 4  # prompts per training batch, split evenly across generators
     samples_per_prompt: int = 4  # completions per prompt (the group of the group-mean baseline)
@@ -34,7 +36,11 @@ class RunConfig:
     eval_samples: int = 0  # also sample this many answers per question at `temperature` (0: greedy only)
     eval_every: int = 0  # evaluate also every this many ticks inside the loop, for curves (0: never)
     seed: int = 0  # prompt order, sampling and model initialisation
-    max_policy_lag: int = 1  # the trainer refuses rollouts older than this many policy versions
+    max_policy_lag: int = 1  # the trainer refuses rollouts older than this many policy versions; stream
+    # mode drops (and counts) groups whose oldest token is older
+    stream_buffer_groups: int = 0  # stream: groups the trainer's buffer holds (0: two steps' worth)
+    dynamic_sampling: bool = False  # drop groups whose rewards are all equal and sample more prompts
+    max_sampling_rounds: int = 4  # lock step with dynamic sampling: generate calls per batch at most
 
     # The algorithm (names resolved by llamarl.algo's registry).
     loss: str = "aipo"  # policy loss
@@ -81,6 +87,11 @@ class RunConfig:
     max_restarts: int = 0  # torch elastic restarts of all ranks after a failure; each resumes by itself
 
     @property
+    def buffer_groups(self) -> int:
+        """The stream buffer's capacity in groups."""
+        return self.stream_buffer_groups or 2 * self.prompts_per_step
+
+    @property
     def world_size(self) -> int:
         return self.num_trainers + self.num_generators
 
@@ -97,12 +108,28 @@ class RunConfig:
             "nnodes": self.nnodes,
             "max_policy_lag": self.max_policy_lag,
             "weight_bucket_mb": self.weight_bucket_mb,
+            "max_sampling_rounds": self.max_sampling_rounds,
         }
         for name, value in positive.items():
             if value < 1:
                 raise ConfigError(f"{name} must be at least 1, got {value}")
-        if self.mode not in ("async", "sync"):
-            raise ConfigError(f"mode must be 'async' or 'sync', got {self.mode!r}")
+        if self.mode not in ("async", "sync", "stream"):
+            raise ConfigError(f"mode must be 'async', 'sync' or 'stream', got {self.mode!r}")
+        if self.stream_buffer_groups < 0:
+            raise ConfigError(f"stream_buffer_groups must be 0 or more, got {self.stream_buffer_groups}")
+        if self.mode == "stream":
+            # Stream ranks never meet at a tick boundary, where checkpoints and in-loop evaluations are
+            # taken; both are lock-step features for now.
+            for name in ("checkpoint_every", "eval_every", "max_restarts"):
+                if getattr(self, name):
+                    raise ConfigError(f"{name} is not supported with mode 'stream' yet; use async or sync")
+            if self.resume:
+                raise ConfigError("resume is not supported with mode 'stream' yet; use async or sync")
+            if 0 < self.stream_buffer_groups < self.prompts_per_step:
+                raise ConfigError(
+                    f"stream_buffer_groups ({self.stream_buffer_groups}) must hold at least one step's "
+                    f"prompts ({self.prompts_per_step})"
+                )
         if self.temperature <= 0:
             raise ConfigError(f"temperature must be positive, got {self.temperature}")
         if self.keep_checkpoints < 1:

@@ -1,14 +1,21 @@
-"""The single controller: the SPMD tick loop that every rank runs.
+"""The single controller: what every rank runs (SPMD), around the two roles.
 
 Ranks 0..N-1 are the trainer (FSDP2 over their own process group when N > 1; rank 0 logs metrics);
 ranks N..N+G-1 are generators, each scoring its own completions with a rewarder in worker processes.
-Each trainer rank trains on its own part of every batch (whole groups of samples), and each sends its
-own weight shards to the generators (llamarl.comm, no gather). In every tick the channels first move
-what the previous tick produced (rollouts generator -> trainer, weights trainer -> generator), then
-every executor does its own step. In `async` mode generation and training of a tick run at the same
-time on their own ranks, so the trainer learns from rollouts sampled by the previous policy version;
-`sync` mode runs the same pieces in sequence (generate, score, train, sync): the synchronous baseline
-on the same work.
+Each rank holds one role (`llamarl.control.roles`): a `TrainerRole` (take a batch -> train -> send
+weights; every trainer rank sends its own shards through llamarl.comm, no gather) or a `GeneratorRole`
+(receive weights -> generate and score -> hand over a batch). The controller builds them, moves what
+they hand over between ranks, and runs them on a schedule:
+
+- `sync` and `async`: lock step, tick by tick, as written down in `llamarl.control.schedule` (async
+  overlaps generation and training on their own ranks, one policy version apart; sync runs them one
+  after the other: the synchronous baseline on the same work).
+- `stream`: generators sample back to back and send groups to a bounded `RolloutBuffer` on the first
+  trainer rank; the trainer trains on the freshest groups (dropping those older than max_policy_lag)
+  and announces new weights, which HF generators take between decoding steps (in flight) and vLLM
+  generators between requests.
+
+Around the loop the controller loads the models, evaluates, checkpoints, and writes the summary.
 """
 
 from __future__ import annotations
@@ -18,8 +25,10 @@ import os
 import random
 import resource
 import signal
+import threading
 import time
 from dataclasses import asdict
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +37,7 @@ import torch.distributed as dist
 
 from llamarl.comm import WeightSender, WeightSyncGroup
 from llamarl.control import checkpoint as ckpt
+from llamarl.control.buffer import RolloutBuffer
 from llamarl.control.channels import concat_rollouts, recv_rollouts, send_rollouts
 from llamarl.control.config import RunConfig
 from llamarl.control.evaluation import EvalResult, paired_delta_ci
@@ -43,6 +53,17 @@ from llamarl.control.executors import (
 from llamarl.control.metrics import MetricsLogger
 from llamarl.control.net import free_port
 from llamarl.control.report import write_report
+from llamarl.control.roles import (
+    GeneratorRole,
+    GeneratorSetup,
+    PolicyLagError,
+    PromptStream,
+    RolloutOutbox,
+    StreamControl,
+    TrainerRole,
+    drain_into_buffer,
+)
+from llamarl.control.schedule import Phase, Tick, lockstep_ticks
 from llamarl.control.tasks import TASKS, Example
 from llamarl.control.timeline import Timeline, write_chrome_trace
 from llamarl.exec.types import RolloutBatch
@@ -57,8 +78,7 @@ EVAL_CHUNK = 32  # prompts per greedy generate call during evaluation
 FAULT_ENV = "LLAMARL_FAULT"
 
 
-class PolicyLagError(RuntimeError):
-    """Rollouts older than max_policy_lag reached the trainer."""
+__all__ = ["Controller", "PolicyLagError"]
 
 
 class Controller:
@@ -83,11 +103,11 @@ class Controller:
         random.Random(config.seed).shuffle(self._prompt_order)
         self._prompt_ids: dict[int, list[int]] = {}
         self._pending: tuple[RolloutBatch, dict[str, float]] | None = None  # generator: made, not yet sent
-        self._received: tuple[RolloutBatch, dict[str, float]] | None = None  # trainer: arrived, not trained
+        # trainer: (this rank's part, the whole batch on the first rank) arrived, not yet trained on
+        self._received: tuple[RolloutBatch, RolloutBatch] | None = None
         self._fault = _parse_fault(os.environ.get(FAULT_ENV))
         self._step_records: list[dict[str, float]] = []
-        self._last_sync_s = float("nan")
-        self._train_end_times: list[float] = []
+        self._stream_counts: dict[str, float] = {}  # stream mode: the buffer's counts at the end
         self.timeline = Timeline()  # this rank's phases, gathered into OUTPUT_DIR/trace.json at the end
         self._tick = -1  # the tick being run (-1 before and after the training loop)
         self._eval_history: list[EvalResult] = []  # trainer: every evaluation, in order
@@ -154,8 +174,52 @@ class Controller:
             if cfg.resume:
                 ckpt.truncate(samples_path, saved.get("samples_bytes", {}).get(str(self.rank), 0))
             self._samples = samples_path.open("a", encoding="utf-8")
+        self._build_roles()
+        if cfg.mode == "stream":
+            # Generators stream rollouts to the first trainer rank on a group of their own, so those
+            # transfers never interleave with the default group's relays and collectives.
+            self.rollout_group = dist.new_group(
+                [TRAINER_RANK, *self.generator_ranks], timeout=timedelta(seconds=cfg.timeout_s)
+            )
         if self._resume is not None:
             self._restore(saved)
+
+    def _build_roles(self) -> None:
+        cfg = self.config
+        if self.is_trainer:
+            self.trainer_role = TrainerRole(
+                trainer=self.trainer,
+                send_weights=self.sender.send,
+                max_policy_lag=cfg.max_policy_lag,
+                timeline=self.timeline,
+                clock=self._loop_clock,
+            )
+            return
+        share = cfg.prompts_per_step // cfg.num_generators
+        self.generator_role = GeneratorRole(
+            generator=self.generator,
+            rewarder=self.rewarder,
+            receive_weights=self.receiver.receive,
+            prompts=PromptStream(
+                self._prompt_order,
+                prompts_per_step=cfg.prompts_per_step,
+                generator_index=self.generator_index,
+                num_generators=cfg.num_generators,
+            ),
+            encode=self._tokenized_prompt,
+            reference=lambda i: self.train_examples[i].reference,
+            question=lambda i: self.train_examples[i].question,
+            decode=self._decode_completions,
+            setup=GeneratorSetup(
+                temperature_samples=cfg.samples_per_prompt,
+                prompts_per_request=share,
+                max_new_tokens=cfg.max_new_tokens,
+                dynamic_sampling=cfg.dynamic_sampling,
+                max_sampling_rounds=cfg.max_sampling_rounds,
+            ),
+            timeline=self.timeline,
+            sample_log=self._samples,
+        )
 
     def _setup_checkpoints(self) -> dict[str, Any]:
         """Builds the checkpoint writer; on resume picks the checkpoint and returns its controller state.
@@ -196,11 +260,13 @@ class Controller:
         if self.is_logger:
             self._step_records = saved["step_records"]
             self._eval_history = [EvalResult(**e) for e in saved["eval_history"]]
-            self._last_sync_s = saved["last_sync_s"]
+            self.trainer_role.last_sync_s = saved["last_sync_s"]
             self.logger.write(f"resumed from {self._resume.path} (policy_version {self._resume.step})")
-        if not self.is_trainer and mine.get("pending") is not None:
-            tensors, group_size, metrics = mine["pending"]
-            self._pending = (RolloutBatch(group_size=group_size, **tensors), metrics)
+        if not self.is_trainer:
+            self.generator_role.prompts.position = mine["prompt_position"]
+            if mine.get("pending") is not None:
+                tensors, group_size, metrics = mine["pending"]
+                self._pending = (RolloutBatch(group_size=group_size, **tensors), metrics)
         ckpt.restore_rng(mine["rng"])  # last: nothing above may draw from the restored streams
 
     def _new_trainer_group(self) -> dist.ProcessGroup:
@@ -234,35 +300,13 @@ class Controller:
             # them, so they are made now (by the restored policy: lag 0 for that one batch).
             in_flight_lost = cfg.mode == "async" and not self.is_trainer and self._pending is None
             if in_flight_lost and 0 < self._start_tick <= cfg.steps:
-                self._generate(self._start_tick - 1)
+                self._pending = self.generator_role.make_batch(self._start_tick - 1)
         loop_start = self._loop_clock()
-        if cfg.mode == "async":
-            # Tick t: move batch t-1 and weights of version t-1, then generate batch t while the
-            # trainer trains on batch t-1 (sampled by version t-2): one policy version off.
-            for tick in range(self._start_tick, cfg.steps + 1):
-                self._tick = tick
-                self._maybe_fail(tick)
-                self._maybe_evaluate(tick)
-                if tick >= 1:
-                    self._move_rollouts()
-                if tick >= 2:
-                    self._sync_weights()
-                if tick < cfg.steps:
-                    self._generate(tick)
-                if tick >= 1:
-                    self._train()
-                    self._maybe_checkpoint(tick, policy_version=tick)
-            self._sync_weights()  # the generators serve the final policy for evaluation
+        if cfg.mode == "stream":
+            self._run_stream()
         else:
-            for tick in range(self._start_tick, cfg.steps):
-                self._tick = tick
-                self._maybe_fail(tick)
-                self._maybe_evaluate(tick)
-                self._generate(tick)
-                self._move_rollouts()
-                self._train()
-                self._sync_weights()
-                self._maybe_checkpoint(tick, policy_version=tick + 1)
+            for tick in lockstep_ticks(cfg.mode, cfg.steps, self._start_tick):
+                self._run_tick(tick)
         loop_s = self._loop_clock() - loop_start
         self._tick = -1
         if self.is_trainer and cfg.save_model:
@@ -288,132 +332,165 @@ class Controller:
             self.logger.write(f"warning: could not draw {self.output_dir / 'report.png'}: {e}")
         return summary
 
-    def _generate(self, tick: int) -> None:
-        """Generator ranks: sample this tick's prompts, score them, keep the batch for the channel."""
-        if self.is_trainer:
-            return
-        cfg = self.config
-        per_generator = cfg.prompts_per_step // cfg.num_generators
-        first = tick * cfg.prompts_per_step + self.generator_index * per_generator
-        indices = [self._prompt_order[(first + j) % len(self._prompt_order)] for j in range(per_generator)]
-        prompts = [self._tokenized_prompt(i) for i in indices]
-        start = time.perf_counter()
-        with self.timeline.phase("generate", tick):
-            batch = self.generator.generate(
-                prompts, samples_per_prompt=cfg.samples_per_prompt, max_new_tokens=cfg.max_new_tokens
-            )
-        generate_s = time.perf_counter() - start
-        texts = self._decode_completions(batch)
-        references = [
-            self.train_examples[i].reference for i in indices for _ in range(cfg.samples_per_prompt)
-        ]
-        start = time.perf_counter()
-        with self.timeline.phase("score", tick):
-            batch.rewards_B = torch.tensor(self.rewarder.score(texts, references), dtype=torch.float32)
-        score_s = time.perf_counter() - start
-        for j, text in enumerate(texts):
-            record = {
-                "tick": tick,
-                "policy_version": int(batch.policy_version_B[j]),
-                "question": self.train_examples[indices[j // cfg.samples_per_prompt]].question,
-                "completion": text,
-                "reward": float(batch.rewards_B[j]),
-            }
-            self._samples.write(json.dumps(record) + "\n")
-        self._samples.flush()
-        metrics = {
-            "generate_s": generate_s,
-            "score_s": score_s,
-            "num_completion_tokens": batch.num_completion_tokens,
-            "reward_mean": float(batch.rewards_B.mean()),
-            "policy_version": self.generator.policy_version,
-        }
-        self._pending = (batch, metrics)
+    # lock step ----------------------------------------------------------------------------------
 
-    def _move_rollouts(self) -> None:
-        """Generators send the batch they made to the first trainer rank, which keeps its own part and
-        sends every other trainer rank its part (whole groups; see `_split_across_trainers`)."""
-        with self.timeline.phase("rollouts", self._tick):
-            self._exchange_rollouts()
+    def _run_tick(self, tick: Tick) -> None:
+        """Runs one tick of the lock-step schedule: this rank's part of every phase, in order."""
+        self._tick = tick.index
+        for role in (getattr(self, "trainer_role", None), getattr(self, "generator_role", None)):
+            if role is not None:
+                role.tick = tick.index
+        self._maybe_fail(tick.index)
+        self._maybe_evaluate(tick.index)
+        for phase in tick.phases:
+            self._run_phase(phase, tick)
+
+    def _run_phase(self, phase: Phase, tick: Tick) -> None:
+        if phase.name == "generate":
+            if not self.is_trainer:
+                self._pending = self.generator_role.make_batch(tick.index)
+        elif phase.name == "move_rollouts":
+            with self.timeline.phase("rollouts", tick.index):
+                self._exchange_rollouts()
+        elif phase.name == "sync_weights":
+            self._sync_weights()
+        elif phase.name == "train":
+            if self.is_trainer:
+                assert self._received is not None, "no batch to train on"
+                part, whole = self._received
+                self._received = None
+                self._log_step(self.trainer_role.train(part, whole))
+        elif phase.name == "checkpoint":
+            self._maybe_checkpoint(tick.index, policy_version=tick.policy_version)
+        else:
+            raise ValueError(f"unknown phase {phase}")
 
     def _exchange_rollouts(self) -> None:
+        """Generators send the batch they made to the first trainer rank, which keeps its own part and
+        sends every other trainer rank its part (whole groups; see `_split_across_trainers`)."""
         if not self.is_trainer:
             assert self._pending is not None, "no batch to send"
             send_rollouts(*self._pending, dst=TRAINER_RANK)
             self._pending = None
             return
         if not self.is_logger:
-            self._received = recv_rollouts(src=TRAINER_RANK)
+            part, _ = recv_rollouts(src=TRAINER_RANK)
+            assert part is not None
+            self._received = (part, part)
             return
-        parts = [recv_rollouts(src=r) for r in self.generator_ranks]
-        batch = concat_rollouts([b for b, _ in parts])
-        tokens = sum(m["num_completion_tokens"] for _, m in parts)
-        metrics = {
-            "generate_s": max(m["generate_s"] for _, m in parts),
-            "score_s": max(m["score_s"] for _, m in parts),
-            "num_completion_tokens": tokens,
-            "reward_mean": float(batch.rewards_B.mean()),
-        }
-        self._received = (self._split_across_trainers(batch, metrics), metrics)
+        batches = []
+        for r in self.generator_ranks:
+            batch, metrics = recv_rollouts(src=r)
+            assert batch is not None
+            self.trainer_role.generator_stats.update(r, metrics)
+            batches.append(batch)
+        whole = concat_rollouts(batches)
+        self._received = (self._split_across_trainers(whole), whole)
 
-    def _split_across_trainers(self, batch: RolloutBatch, metrics: dict[str, float]) -> RolloutBatch:
-        """Sends trainer rank r its part r of `batch` (metrics of the whole batch go along); returns
-        this rank's part. Rollouts are small next to weights, so one rank relays them."""
+    def _split_across_trainers(self, batch: RolloutBatch) -> RolloutBatch:
+        """Sends trainer rank r its part r of `batch`; returns this rank's part. Rollouts are small
+        next to weights, so one rank relays them."""
         num_trainers = len(self.trainer_ranks)
         for r in self.trainer_ranks[1:]:
-            send_rollouts(batch.data_parallel_part(r, num_trainers), metrics, dst=r)
+            send_rollouts(batch.data_parallel_part(r, num_trainers), {}, dst=r)
         return batch.data_parallel_part(0, num_trainers)
 
-    def _train(self) -> None:
-        """Trainer: one optimizer step on the received batch, then log the step."""
-        if not self.is_trainer:
-            return
-        assert self._received is not None, "no batch to train on"
-        batch, gen_metrics = self._received
-        self._received = None
-        lag = self.trainer.policy_version - int(batch.policy_version_B.min())
-        if lag > self.config.max_policy_lag:
-            raise PolicyLagError(
-                f"rollouts are {lag} policy versions old (max_policy_lag={self.config.max_policy_lag})"
-            )
-        start = time.perf_counter()
-        with self.timeline.phase("train", self._tick):
-            train_metrics = self.trainer.train_step(batch)  # every trainer rank; metrics are global
-        if not self.is_logger:
-            return
-        train_s = time.perf_counter() - start
-        now = self._loop_clock()
-        step_s = now - self._train_end_times[-1] if self._train_end_times else float("nan")
-        self._train_end_times.append(now)
-        step = self.trainer.policy_version
-        tokens = gen_metrics["num_completion_tokens"]
-        record = {
-            "train/reward_mean": gen_metrics["reward_mean"],
-            "time/step_s": step_s,
-            "time/train_s": train_s,
-            "time/generate_s": gen_metrics["generate_s"],
-            "time/score_s": gen_metrics["score_s"],
-            "time/weight_sync_s": self._last_sync_s,
-            "throughput/generated_tokens_per_s": tokens / step_s if step_s == step_s else float("nan"),
-            "throughput/generator_tokens_per_s": tokens / gen_metrics["generate_s"],
-            "throughput/trainer_tokens_per_s": tokens / train_s,
-            "policy/lag": float(lag),
-            "policy/version": float(step),
-            "train/num_completion_tokens": float(tokens),
-            **{f"train/{k}": v for k, v in train_metrics.items()},
-        }
-        self._step_records.append(record)
-        self.logger.log(step, record)
+    def _log_step(self, record: dict[str, float]) -> None:
+        if self.is_logger:
+            self._step_records.append(record)
+            self.logger.log(self.trainer.policy_version, record)
 
     def _sync_weights(self) -> None:
-        """Trainer sends its current weights; every generator receives them and takes their version."""
-        start = time.perf_counter()
-        with self.timeline.phase("weight_sync", self._tick):
-            if self.is_trainer:  # every trainer rank sends its shards
-                self.sender.send(self.trainer.policy_version)
-                self._last_sync_s = time.perf_counter() - start
-            else:
-                self.generator.policy_version = self.receiver.receive()
+        """Trainer ranks send their current weights; every generator receives them and their version."""
+        if self.is_trainer:
+            self.trainer_role.send_weights()
+        else:
+            self.generator_role.receive_weights()
+
+    # stream ---------------------------------------------------------------------------------------
+
+    def _run_stream(self) -> None:
+        """Stream mode: generators sample continuously; the trainer takes the freshest groups."""
+        cfg = self.config
+        control = StreamControl(dist.distributed_c10d._get_default_store())
+        if not self.is_trainer:
+            outbox = RolloutOutbox(
+                lambda batch, metrics: send_rollouts(
+                    batch, metrics, dst=TRAINER_RANK, group=self.rollout_group
+                ),
+                timeout_s=cfg.timeout_s,
+            )
+            in_flight = bool(getattr(self.generator, "supports_in_flight_updates", False))
+            self.generator_role.stream(control, outbox, in_flight=in_flight)
+            return
+        if not self.is_logger:  # another FSDP2 trainer rank: its part of every batch comes from rank 0
+
+            def take_part() -> RolloutBatch:
+                part, _ = recv_rollouts(src=TRAINER_RANK)
+                assert part is not None
+                return part
+
+            self.trainer_role.stream(
+                steps=cfg.steps, take=take_part, relay=lambda b: b, control=None, on_step=self._log_step
+            )
+            return
+        buffer = RolloutBuffer(capacity_groups=cfg.buffer_groups, max_policy_lag=cfg.max_policy_lag)
+        errors: list[BaseException] = []
+        discarded = [0]
+
+        def drain(src: int) -> None:
+            try:
+                discarded[0] += drain_into_buffer(
+                    buffer,
+                    lambda: recv_rollouts(src=src, group=self.rollout_group),
+                    self.trainer_role.generator_stats,
+                    src,
+                    timeout_s=cfg.timeout_s,
+                )
+            except BaseException as e:  # the trainer's take() raises it through the closed buffer
+                errors.append(e)
+                buffer.close()
+
+        threads = [
+            threading.Thread(target=drain, args=(r,), name=f"rollouts-from-{r}", daemon=True)
+            for r in self.generator_ranks
+        ]
+        for thread in threads:
+            thread.start()
+
+        def take() -> RolloutBatch:
+            try:
+                return buffer.take(
+                    cfg.prompts_per_step,
+                    current_version=self.trainer.policy_version,
+                    timeout_s=cfg.timeout_s,
+                )
+            except Exception as e:
+                if errors:
+                    raise errors[0] from e
+                raise
+
+        def on_step(record: dict[str, float]) -> None:
+            record["stream/dropped_stale_groups"] = float(buffer.counts.dropped_stale)
+            record["stream/buffered_groups"] = float(len(buffer))
+            self._log_step(record)
+
+        self.trainer_role.stream(
+            steps=cfg.steps, take=take, relay=self._split_across_trainers, control=control, on_step=on_step
+        )
+        buffer.close()  # what still arrives is received and discarded until every generator ends
+        for thread in threads:
+            thread.join(cfg.timeout_s)
+            if thread.is_alive():
+                raise TimeoutError(f"{thread.name}: a generator did not end its stream in time")
+        if errors:
+            raise errors[0]
+        self._stream_counts = {
+            "dropped_stale_groups": buffer.counts.dropped_stale,
+            "received_groups": buffer.counts.received,
+            "unused_groups": buffer.counts.received - buffer.counts.taken - buffer.counts.dropped_stale,
+            "discarded_batches": discarded[0],
+        }
 
     def _maybe_checkpoint(self, tick: int, *, policy_version: int) -> None:
         """Every `checkpoint_every` policy versions, at the end of a tick: every rank writes its part.
@@ -435,16 +512,18 @@ class Controller:
                 "config": {k: getattr(self.config, k) for k in _MUST_MATCH_ON_RESUME},
                 "step_records": self._step_records,
                 "eval_history": [asdict(e) for e in self._eval_history],
-                "last_sync_s": self._last_sync_s,
+                "last_sync_s": self.trainer_role.last_sync_s,
                 "wandb_id": self.logger.wandb_id,
                 "metrics_bytes": self.logger.jsonl_bytes(),
                 "samples_bytes": self._gather_samples_bytes(),
             }
         else:
             self._gather_samples_bytes()
-        if not self.is_trainer and self._pending is not None:
-            batch, metrics = self._pending
-            rank_state["pending"] = (batch.tensors(), batch.group_size, metrics)
+        if not self.is_trainer:
+            rank_state["prompt_position"] = self.generator_role.prompts.position
+            if self._pending is not None:
+                batch, metrics = self._pending
+                rank_state["pending"] = (batch.tensors(), batch.group_size, metrics)
         with self.timeline.phase("checkpoint", tick):
             self.checkpoints.save(
                 policy_version,
@@ -610,7 +689,7 @@ class Controller:
         syncs = [
             r["time/weight_sync_s"] for r in records if r["time/weight_sync_s"] == r["time/weight_sync_s"]
         ]
-        syncs.append(self._last_sync_s)
+        syncs.append(self.trainer_role.last_sync_s)
         return {
             "mode": cfg.mode,
             "task": cfg.task,
@@ -629,6 +708,12 @@ class Controller:
             "trainer_tokens_per_s": _mean(r["throughput/trainer_tokens_per_s"] for r in records),
             "weight_sync_s": _mean(syncs),
             "train_reward_mean": [r["train/reward_mean"] for r in records],
+            "policy_lag_max": max((r["policy/lag"] for r in records), default=float("nan")),
+            "generator_idle_frac_mean": _mean(_finite(r.get("idle/generator_frac") for r in records)),
+            "trainer_idle_frac_mean": _mean(_finite(r.get("idle/trainer_frac") for r in records)),
+            "filtered_groups": sum(_finite(r.get("sampling/filtered_groups") for r in records)),
+            "sampled_groups": sum(_finite(r.get("sampling/groups") for r in records)),
+            **({"stream": self._stream_counts} if self._stream_counts else {}),
             "eval_size": len(self.eval_examples),
             **_eval_summary(self._eval_history),
             "final_policy_version": self.trainer.policy_version,
@@ -676,6 +761,11 @@ def _save_model(model: torch.nn.Module, tokenizer, path: Path, state_dict: dict[
 def _mean(values) -> float:
     values = list(values)
     return sum(values) / len(values) if values else float("nan")
+
+
+def _finite(values) -> list[float]:
+    """The values that are numbers (not None, not nan)."""
+    return [v for v in values if v is not None and v == v]
 
 
 def _device(name: str) -> torch.device:

@@ -14,6 +14,7 @@ holding one B x V float32 step at a time rather than every step's logits (B x C 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -43,8 +44,9 @@ class _BehaviorLogprobRecorder:
     then and the last step is resolved by `finish()`. It returns the scores unchanged.
     """
 
-    def __init__(self, temperature: float) -> None:
+    def __init__(self, temperature: float, on_step: Callable[[], None] | None = None) -> None:
         self.temperature = temperature
+        self.on_step = on_step  # called once per decoding step, after that step's scores are recorded
         self.logprobs_BC: list[torch.Tensor] = []
         self._pending_BV: torch.Tensor | None = None
 
@@ -52,6 +54,8 @@ class _BehaviorLogprobRecorder:
         if self._pending_BV is not None:
             self._resolve(input_ids[:, -1])
         self._pending_BV = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        if self.on_step is not None:
+            self.on_step()
         return scores
 
     def _resolve(self, token_ids_B: torch.Tensor) -> None:
@@ -78,6 +82,9 @@ class HFGenerator:
         last_metrics: timings and counts of the latest `generate` call (generate_s, num_sequences,
             num_completion_tokens, tokens_per_s).
     """
+
+    # `generate` takes `between_steps`: stream mode loads new weights between decoding steps.
+    supports_in_flight_updates = True
 
     def __init__(self, config: HFGeneratorConfig) -> None:
         if config.temperature <= 0:
@@ -126,6 +133,7 @@ class HFGenerator:
         samples_per_prompt: int,
         max_new_tokens: int,
         greedy: bool = False,
+        between_steps: Callable[[], None] | None = None,
     ) -> RolloutBatch:
         """Samples `samples_per_prompt` completions of every prompt in one batched `generate` call.
 
@@ -135,9 +143,14 @@ class HFGenerator:
             max_new_tokens: completion length limit (a completion that hits it has no EOS).
             greedy: argmax decoding for evaluation; the log-probs are then those of the argmax tokens
                 under softmax(logits / temperature).
+            between_steps: called between decoding steps (after step t's logits, before step t + 1's
+                forward pass). It may load new weights into `model` in place and raise
+                `policy_version` (an in-flight update: later tokens come from the new weights; the
+                KV cache of earlier tokens is kept), or raise to abandon the call.
 
         Returns:
-            RolloutBatch with rewards zeros and policy_version_B = `self.policy_version`.
+            RolloutBatch with rewards zeros, policy_version_B = the version at the first token and
+            token_version_BC = the version that sampled each token.
         """
         if self.model is None:
             raise RuntimeError("HFGenerator.generate called before setup()")
@@ -150,7 +163,14 @@ class HFGenerator:
         prompt_ids_BP, prompt_mask_BP = _left_pad(
             [p for p in prompts for _ in range(samples_per_prompt)], self.pad_token_id
         )
-        recorder = _BehaviorLogprobRecorder(self.config.temperature)
+        step_versions: list[int] = []  # the policy_version whose logits drew each step's token
+
+        def on_step() -> None:
+            step_versions.append(self.policy_version)
+            if between_steps is not None:
+                between_steps()
+
+        recorder = _BehaviorLogprobRecorder(self.config.temperature, on_step)
         # Every sampling option is set explicitly: values left unset would be filled from the model's
         # generation_config.json (e.g. top_k=50, top_p=0.9) and the tokens would no longer come from
         # softmax(logits / T), which the behaviour log-probs describe.
@@ -199,6 +219,9 @@ class HFGenerator:
         )
 
         num_sequences = prompt_ids_BP.shape[0]
+        versions_C = torch.tensor(step_versions[:length], dtype=torch.int64).reshape(1, length)
+        token_version_BC = versions_C.expand(num_sequences, length) * completion_mask_BC
+        first_version = step_versions[0] if step_versions else self.policy_version
         elapsed = time.perf_counter() - start
         num_tokens = int(completion_mask_BC.sum())
         self.last_metrics = {
@@ -214,7 +237,8 @@ class HFGenerator:
             completion_mask_BC=completion_mask_BC,
             behavior_logprobs_BC=behavior_logprobs_BC,
             rewards_B=torch.zeros(num_sequences, dtype=torch.float32),
-            policy_version_B=torch.full((num_sequences,), self.policy_version, dtype=torch.int64),
+            policy_version_B=torch.full((num_sequences,), first_version, dtype=torch.int64),
+            token_version_BC=token_version_BC,
             group_size=samples_per_prompt,
         )
 

@@ -29,8 +29,16 @@ class RolloutBatch:
     completion_mask_BC: torch.Tensor  # int64, 1 on sampled tokens (EOS included), 0 on padding
     behavior_logprobs_BC: torch.Tensor  # float32, log mu(y_t) of the sampling distribution; 0 on padding
     rewards_B: torch.Tensor  # float32, one scalar reward per sequence
-    policy_version_B: torch.Tensor  # int64, the policy_version of the weights that sampled each sequence
+    policy_version_B: torch.Tensor  # int64, the policy_version that sampled the sequence's first token
     group_size: int  # samples per prompt; B is a multiple of it
+    # int64, the policy_version that sampled each token (weights may change mid-sequence when a stream
+    # generator takes new weights in flight); 0 on padding. None: every token of a sequence was sampled
+    # by its policy_version_B (filled in by __post_init__).
+    token_version_BC: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.token_version_BC is None:
+            self.token_version_BC = self.policy_version_B[:, None] * self.completion_mask_BC.long()
 
     @property
     def num_sequences(self) -> int:
@@ -40,8 +48,13 @@ class RolloutBatch:
     def num_completion_tokens(self) -> int:
         return int(self.completion_mask_BC.sum())
 
-    def select(self, rows: slice) -> RolloutBatch:
-        """The batch of the sequences in `rows` (views; padding columns are kept)."""
+    def token_lags_BC(self, current_version: int) -> torch.Tensor:
+        """int64 [B, C]: how many policy versions behind `current_version` each token is (0 on padding)."""
+        assert self.token_version_BC is not None
+        return (current_version - self.token_version_BC) * self.completion_mask_BC.long()
+
+    def select(self, rows: slice | list[int]) -> RolloutBatch:
+        """The batch of the sequences in `rows` (views for a slice, copies for a list; padding kept)."""
         return RolloutBatch(
             **{name: t[rows] for name, t in self.tensors().items()}, group_size=self.group_size
         )
@@ -58,7 +71,7 @@ class RolloutBatch:
         return self.select(slice(index * rows, (index + 1) * rows))
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """The tensor fields by name, in a fixed order."""
+        """The tensor fields by name, in a fixed order (token_version_BC always present)."""
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "group_size"}
 
 

@@ -1,0 +1,106 @@
+"""The trainer's rollout buffer in stream mode: bounded, thread-safe, and bounded in staleness.
+
+Generators put groups (the samples of one prompt) as they finish them; the trainer takes the next
+batch of groups whose oldest token is at most `max_policy_lag` policy versions behind its own weights.
+Older groups are dropped (and counted) at take time, never trained on. A full buffer blocks `put`:
+that back-pressure is what stops a generator that runs ahead of the trainer.
+
+Shape legend: B sequences (whole groups), G group size.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from llamarl.control.channels import concat_rollouts
+from llamarl.exec.types import RolloutBatch
+
+
+class BufferTimeout(TimeoutError):
+    """A put or take waited past its deadline (no generator delivered, or the trainer stopped taking)."""
+
+
+class BufferClosed(RuntimeError):
+    """The buffer was closed while a put or take waited."""
+
+
+@dataclass
+class BufferCounts:
+    """Cumulative group counts of a buffer."""
+
+    received: int = 0  # groups put
+    dropped_stale: int = 0  # groups found older than max_policy_lag at take time (never trained on)
+    taken: int = 0  # groups handed to the trainer
+
+
+class RolloutBuffer:
+    """A bounded FIFO of groups between stream generators and the trainer (thread-safe)."""
+
+    def __init__(self, *, capacity_groups: int, max_policy_lag: int) -> None:
+        if capacity_groups < 1 or max_policy_lag < 0:
+            raise ValueError("capacity_groups must be >= 1 and max_policy_lag >= 0")
+        self.capacity_groups = capacity_groups
+        self.max_policy_lag = max_policy_lag
+        self.counts = BufferCounts()
+        self._groups: deque[RolloutBatch] = deque()
+        self._cond = threading.Condition()
+        self._closed = False
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._groups)
+
+    def put(self, batch: RolloutBatch, *, timeout_s: float) -> None:
+        """Adds every group of `batch` [B = k * G], waiting while the buffer is full."""
+        groups = [
+            batch.select(slice(g * batch.group_size, (g + 1) * batch.group_size))
+            for g in range(batch.num_sequences // batch.group_size)
+        ]
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            for group in groups:
+                while len(self._groups) >= self.capacity_groups:
+                    self._wait(deadline, "room in the rollout buffer (the trainer stopped taking)")
+                self._groups.append(group)
+                self.counts.received += 1
+                self._cond.notify_all()
+
+    def take(self, num_groups: int, *, current_version: int, timeout_s: float) -> RolloutBatch:
+        """The oldest `num_groups` groups not older than `max_policy_lag` versions, as one batch.
+
+        Waits until that many are there; drops stale groups on the way (counted in `counts`).
+        Returns a batch of B = num_groups * G sequences.
+        """
+        deadline = time.monotonic() + timeout_s
+        taken: list[RolloutBatch] = []
+        with self._cond:
+            while len(taken) < num_groups:
+                while not self._groups:
+                    self._wait(deadline, f"{num_groups - len(taken)} more groups from the generators")
+                group = self._groups.popleft()
+                self._cond.notify_all()  # room for a waiting put
+                if current_version - int(group.policy_version_B.min()) > self.max_policy_lag:
+                    self.counts.dropped_stale += 1
+                    continue
+                taken.append(group)
+            self.counts.taken += len(taken)
+        return concat_rollouts(taken)
+
+    def close(self) -> None:
+        """Wakes every waiter with BufferClosed; later puts and takes fail at once."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def _wait(self, deadline: float, what: str) -> None:
+        if self._closed:
+            raise BufferClosed(f"rollout buffer closed while waiting for {what}")
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise BufferTimeout(f"waited too long for {what}")
+        self._cond.wait(remaining)
+        if self._closed:
+            raise BufferClosed(f"rollout buffer closed while waiting for {what}")

@@ -1,0 +1,76 @@
+"""The lock-step schedules as data: which phases each tick runs, in order, and on which batch.
+
+A tick is one round in which every rank runs the same phases (SPMD); each role does its own part of
+a phase (the trainer receives where the generator sends). Writing the plan down as data keeps the
+gating in one place that tests can read without starting a process:
+
+- `sync`: tick t generates batch t with policy version t, moves it, trains on it (-> version t + 1),
+  then sends the new weights: the trainer always learns from its own samples (lag 0).
+- `async` (the paper's): tick t moves batch t - 1 and sends weights of version t - 1, then generates
+  batch t on the generators while the trainer trains on batch t - 1 (sampled by version t - 2): one
+  policy version off, and the two halves run at the same time on their own ranks.
+
+`stream` mode has no ticks: see `llamarl.control.roles` (generators produce continuously into the
+trainer's `RolloutBuffer`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Literal
+
+PhaseName = Literal["generate", "move_rollouts", "sync_weights", "train", "checkpoint"]
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One phase of a tick. `batch` names the batch it handles (the tick that generated it)."""
+
+    name: PhaseName
+    batch: int | None = None
+
+    def __str__(self) -> str:
+        return self.name if self.batch is None else f"{self.name}({self.batch})"
+
+
+@dataclass(frozen=True)
+class Tick:
+    """The phases of one tick, in order; `policy_version` is the trainer's version after the tick."""
+
+    index: int
+    phases: tuple[Phase, ...]
+    policy_version: int
+
+
+def lockstep_ticks(mode: str, steps: int, start_tick: int = 0) -> Iterator[Tick]:
+    """The ticks of a lock-step run of `steps` optimizer steps, from `start_tick` (a resumed run).
+
+    Every tick that trains ends with a checkpoint phase (the controller writes one when due).
+    """
+    if mode == "sync":
+        for t in range(start_tick, steps):
+            phases = (
+                Phase("generate", t),
+                Phase("move_rollouts", t),
+                Phase("train", t),
+                Phase("sync_weights"),
+                Phase("checkpoint"),
+            )
+            yield Tick(t, phases, policy_version=t + 1)
+    elif mode == "async":
+        for t in range(start_tick, steps + 1):
+            phases: list[Phase] = []
+            if t >= 1:
+                phases.append(Phase("move_rollouts", t - 1))
+            if t >= 2:
+                phases.append(Phase("sync_weights"))
+            if t < steps:
+                phases.append(Phase("generate", t))
+            if t >= 1:
+                phases += [Phase("train", t - 1), Phase("checkpoint")]
+            if t == steps:
+                phases.append(Phase("sync_weights"))  # the generators serve the final policy
+            yield Tick(t, tuple(phases), policy_version=t)
+    else:
+        raise ValueError(f"no lock-step schedule for mode {mode!r}")

@@ -1,0 +1,370 @@
+"""The schedules, run with fake executors in one process: the order of events of every mode.
+
+The roles are the real `GeneratorRole` and `TrainerRole`; only the model work is faked (a generator
+that stamps versions, a trainer that counts steps, weights that are just a version number), so each
+test asserts what a mode promises: which policy version sampled what the trainer learns from.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import pytest
+import torch
+
+from llamarl.control.buffer import RolloutBuffer
+from llamarl.control.roles import (
+    GeneratorRole,
+    GeneratorSetup,
+    PolicyLagError,
+    PromptStream,
+    RolloutOutbox,
+    StreamControl,
+    TrainerRole,
+    drain_into_buffer,
+)
+from llamarl.control.schedule import lockstep_ticks
+from llamarl.control.timeline import Timeline
+from llamarl.exec.types import RolloutBatch
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class FakeGenerator:
+    """Emits `steps` tokens per sequence; the token ids are the prompt's dataset index (so rewards can
+    depend on it) and every token is stamped with the version held when it was drawn."""
+
+    supports_in_flight_updates = True
+
+    def __init__(self, events: list[str], *, steps: int = 3, step_s: float = 0.0) -> None:
+        self.policy_version = 0
+        self.events = events
+        self.steps = steps
+        self.step_s = step_s
+
+    def generate(self, prompts, *, samples_per_prompt, max_new_tokens, between_steps=None) -> RolloutBatch:
+        B = len(prompts) * samples_per_prompt
+        versions = []
+        for _ in range(self.steps):
+            versions.append(self.policy_version)
+            time.sleep(self.step_s)
+            if between_steps is not None:
+                between_steps()
+        self.events.append(f"generate {[p[0] for p in prompts]} v{versions[0]}")
+        ids = torch.tensor([p[0] for p in prompts for _ in range(samples_per_prompt)])
+        return RolloutBatch(
+            prompt_ids_BP=ids[:, None],
+            prompt_mask_BP=torch.ones(B, 1, dtype=torch.int64),
+            completion_ids_BC=ids[:, None].repeat(1, self.steps),
+            completion_mask_BC=torch.ones(B, self.steps, dtype=torch.int64),
+            behavior_logprobs_BC=torch.zeros(B, self.steps),
+            rewards_B=torch.zeros(B),
+            policy_version_B=torch.full((B,), versions[0]),
+            token_version_BC=torch.tensor(versions).repeat(B, 1),
+            group_size=samples_per_prompt,
+        )
+
+
+class FakeRewarder:
+    """Reward = 1 for the first sample of a group whose prompt index is odd: even prompts' groups have
+    equal rewards (zero variance), odd ones do not."""
+
+    def score(self, completions: list[str], references: list[str]) -> list[float]:
+        return [float(int(c) % 2 == 1 and r == "first") for c, r in zip(completions, references, strict=True)]
+
+
+class FakeTrainer:
+    def __init__(self, events: list[str], *, step_s: float = 0.0) -> None:
+        self.policy_version = 0
+        self.events = events
+        self.step_s = step_s
+        self.trained: list[RolloutBatch] = []
+
+    def train_step(self, batch: RolloutBatch) -> dict[str, float]:
+        time.sleep(self.step_s)
+        self.events.append(f"train v{batch.policy_version_B.min().item()} -> v{self.policy_version + 1}")
+        self.trained.append(batch)
+        self.policy_version += 1
+        return {"loss": 0.0}
+
+
+class WeightLink:
+    """Trainer -> generator weights as a version number, with the real handshake: the send returns
+    only once the generator took it."""
+
+    def __init__(self, events: list[str]) -> None:
+        self.events = events
+        self._to_generator: queue.Queue[int] = queue.Queue()
+        self._ack: queue.Queue[None] = queue.Queue()
+        self.threaded = False  # lock step in one thread: the receive follows the send
+
+    def send(self, version: int) -> None:
+        self.events.append(f"send weights v{version}")
+        self._to_generator.put(version)
+        if self.threaded:
+            self._ack.get(timeout=10)
+
+    def receive(self) -> int:
+        version = self._to_generator.get(timeout=10)
+        if self.threaded:
+            self._ack.put(None)
+        return version
+
+
+class DictStore:
+    """A thread-safe key-value store with torch.distributed.Store's set/get/check."""
+
+    def __init__(self) -> None:
+        self._data: dict[str, bytes] = {}
+        self._lock = threading.Lock()
+
+    def set(self, key: str, value: str | bytes) -> None:
+        with self._lock:
+            self._data[key] = value.encode() if isinstance(value, str) else value
+
+    def get(self, key: str) -> bytes:
+        with self._lock:
+            return self._data[key]
+
+    def check(self, keys: list[str]) -> bool:
+        with self._lock:
+            return all(k in self._data for k in keys)
+
+
+def make_roles(
+    events: list[str],
+    *,
+    prompts_per_step: int = 2,
+    max_policy_lag: int = 1,
+    dynamic_sampling: bool = False,
+    generator_step_s: float = 0.0,
+    trainer_step_s: float = 0.0,
+    max_rounds: int = 4,
+) -> tuple[GeneratorRole, TrainerRole, WeightLink]:
+    link = WeightLink(events)
+    trainer = TrainerRole(
+        trainer=FakeTrainer(events, step_s=trainer_step_s),
+        send_weights=link.send,
+        max_policy_lag=max_policy_lag,
+        timeline=Timeline(),
+    )
+    generator = GeneratorRole(
+        generator=FakeGenerator(events, step_s=generator_step_s),
+        rewarder=FakeRewarder(),
+        receive_weights=link.receive,
+        prompts=PromptStream(
+            list(range(100)), prompts_per_step=prompts_per_step, generator_index=0, num_generators=1
+        ),
+        encode=lambda i: [i],
+        reference=lambda i: "first",
+        question=lambda i: f"q{i}",
+        decode=lambda b: [
+            str(int(row[0])) if j % b.group_size == 0 else "0" for j, row in enumerate(b.completion_ids_BC)
+        ],
+        setup=GeneratorSetup(
+            temperature_samples=2,
+            prompts_per_request=prompts_per_step,
+            max_new_tokens=3,
+            dynamic_sampling=dynamic_sampling,
+            max_sampling_rounds=max_rounds,
+        ),
+        timeline=Timeline(),
+    )
+    return generator, trainer, link
+
+
+def run_lockstep(mode: str, steps: int, generator: GeneratorRole, trainer: TrainerRole) -> list[dict]:
+    """Both roles of a lock-step run in one thread, phase by phase (what the controller does on each
+    rank, with the channels replaced by handing the batch over)."""
+    pending = received = None
+    records = []
+    for tick in lockstep_ticks(mode, steps):
+        for phase in tick.phases:
+            if phase.name == "generate":
+                pending = generator.make_batch(tick.index)
+            elif phase.name == "move_rollouts":
+                batch, metrics = pending
+                trainer.generator_stats.update(0, metrics)
+                received, pending = batch, None
+            elif phase.name == "sync_weights":
+                trainer.send_weights()
+                generator.receive_weights()
+            elif phase.name == "train":
+                records.append(trainer.train(received))
+    return records
+
+
+def test_sync_plan_trains_each_batch_with_the_policy_that_sampled_it():
+    events: list[str] = []
+    generator, trainer, _ = make_roles(events)
+    records = run_lockstep("sync", 3, generator, trainer)
+    assert events == [
+        "generate [0, 1] v0", "train v0 -> v1", "send weights v1",
+        "generate [2, 3] v1", "train v1 -> v2", "send weights v2",
+        "generate [4, 5] v2", "train v2 -> v3", "send weights v3",
+    ]  # fmt: skip
+    assert [r["policy/lag"] for r in records] == [0, 0, 0]
+    assert all(r["staleness/lag_0_frac"] == 1.0 for r in records)
+
+
+def test_async_plan_overlaps_generation_with_training_one_version_apart():
+    events: list[str] = []
+    generator, trainer, _ = make_roles(events)
+    records = run_lockstep("async", 3, generator, trainer)
+    # In a tick the generate and train phases run at the same time on their own ranks; in one thread
+    # they run in plan order. Batch t is sampled by version t - 1 while version t is being trained.
+    assert events == [
+        "generate [0, 1] v0",
+        "generate [2, 3] v0", "train v0 -> v1",
+        "send weights v1", "generate [4, 5] v1", "train v0 -> v2",
+        "send weights v2", "train v1 -> v3",
+        "send weights v3",
+    ]  # fmt: skip
+    assert [r["policy/lag"] for r in records] == [0, 1, 1]
+    assert records[1]["staleness/lag_1_frac"] == 1.0
+
+
+def test_lockstep_plans_are_what_the_docstring_says():
+    plans = {
+        mode: [[str(p) for p in t.phases] for t in lockstep_ticks(mode, 2)] for mode in ("sync", "async")
+    }
+    assert plans["sync"] == [
+        ["generate(0)", "move_rollouts(0)", "train(0)", "sync_weights", "checkpoint"],
+        ["generate(1)", "move_rollouts(1)", "train(1)", "sync_weights", "checkpoint"],
+    ]
+    assert plans["async"] == [
+        ["generate(0)"],
+        ["move_rollouts(0)", "generate(1)", "train(0)", "checkpoint"],
+        ["move_rollouts(1)", "sync_weights", "train(1)", "checkpoint", "sync_weights"],
+    ]
+    # A resumed run starts at its tick; the policy version after each tick is what checkpoints record.
+    assert [t.policy_version for t in lockstep_ticks("async", 3, start_tick=2)] == [2, 3]
+    with pytest.raises(ValueError, match="stream"):
+        list(lockstep_ticks("stream", 2))
+
+
+def test_dynamic_sampling_refills_the_batch_with_groups_that_have_reward_variance():
+    events: list[str] = []
+    generator, trainer, _ = make_roles(events, dynamic_sampling=True)
+    batch, metrics = generator.make_batch(0)
+    # Even prompts' groups have equal rewards (dropped), odd ones' do not (kept); each further round
+    # samples only as many prompts as the batch still lacks.
+    assert events == ["generate [0, 1] v0", "generate [2] v0", "generate [3] v0"]
+    assert batch.prompt_ids_BP[:, 0].tolist() == [1, 1, 3, 3]
+    assert metrics["groups_total"] == 4 and metrics["filtered_total"] == 2
+    trainer.generator_stats.update(0, metrics)
+    record = trainer.train(batch)
+    assert record["sampling/filtered_groups"] == 2 and record["sampling/groups"] == 4
+
+
+def test_dynamic_sampling_gives_up_after_max_rounds_and_tops_up():
+    events: list[str] = []
+    generator, _, _ = make_roles(events, dynamic_sampling=True, prompts_per_step=1, max_rounds=2)
+    batch, metrics = generator.make_batch(0)  # prompts 0 then 1: only prompt 1's group is kept
+    assert batch.prompt_ids_BP[:, 0].tolist() == [1, 1]
+    generator.prompts.position = 10  # now prompts 20 and 22: both even, so both groups are flat
+    generator.prompts.order = [i * 2 for i in range(100)]
+    batch, metrics = generator.make_batch(1)
+    assert batch.num_sequences == 2 and metrics["filtered_total"] == 3
+
+
+def test_trainer_refuses_rollouts_older_than_the_lag_bound():
+    events: list[str] = []
+    _, trainer, _ = make_roles(events, max_policy_lag=1)
+    old = FakeGenerator(events).generate([[0]], samples_per_prompt=2, max_new_tokens=3)
+    trainer.trainer.policy_version = 2
+    with pytest.raises(PolicyLagError, match="2 policy versions old"):
+        trainer.train(old)
+    assert trainer.trainer.trained == []  # nothing reached the loss
+
+
+def run_stream(
+    generator: GeneratorRole, trainer: TrainerRole, link: WeightLink, *, steps: int, buffer_groups: int
+):
+    """Both roles of a stream run on their own threads, joined by a real buffer, outbox and drain."""
+    link.threaded = True
+    control = StreamControl(DictStore())
+    buffer = RolloutBuffer(capacity_groups=buffer_groups, max_policy_lag=trainer.max_policy_lag)
+    wire: queue.Queue = queue.Queue(maxsize=1)  # a send blocks until the trainer side receives
+    outbox = RolloutOutbox(lambda b, m: wire.put((b, m)), timeout_s=10)
+    records: list[dict] = []
+    drained: list[int] = []
+    threads = [
+        threading.Thread(target=lambda: generator.stream(control, outbox, in_flight=True)),
+        threading.Thread(
+            target=lambda: drained.append(
+                drain_into_buffer(
+                    buffer, lambda: wire.get(timeout=10), trainer.generator_stats, 0, timeout_s=10
+                )
+            )
+        ),
+    ]
+    for t in threads:
+        t.start()
+    trainer.stream(
+        steps=steps,
+        take=lambda: buffer.take(2, current_version=trainer.policy_version, timeout_s=10),
+        relay=lambda b: b,
+        control=control,
+        on_step=records.append,
+    )
+    buffer.close()
+    for t in threads:
+        t.join(10)
+        assert not t.is_alive()
+    return records, buffer, drained
+
+
+def test_stream_drops_groups_older_than_the_lag_bound_and_never_trains_on_them():
+    events: list[str] = []
+    # A fast generator and a slow trainer with a roomy buffer: groups go stale while they wait.
+    generator, trainer, link = make_roles(events, max_policy_lag=1, trainer_step_s=0.05)
+    records, buffer, _ = run_stream(generator, trainer, link, steps=6, buffer_groups=8)
+    trained = trainer.trainer.trained
+    assert len(trained) == 6
+    for step, batch in enumerate(trained):
+        assert step - int(batch.token_version_BC.min()) <= 1  # trainer was at version `step`
+    assert buffer.counts.dropped_stale > 0
+    assert max(r["policy/lag"] for r in records) <= 1
+    # Every group is accounted for: trained, dropped as stale, or left in the buffer at the end.
+    assert buffer.counts.received == 6 * 2 + buffer.counts.dropped_stale + len(buffer)
+    assert generator.policy_version == 6  # took the final weights before stopping
+
+
+def test_stream_takes_weights_in_flight_and_stamps_every_token():
+    events: list[str] = []
+    # A slow generator (3 decoding steps of 50 ms) and a fast trainer: new weights land mid-sequence.
+    generator, trainer, link = make_roles(events, max_policy_lag=2, generator_step_s=0.05)
+    records, _, _ = run_stream(generator, trainer, link, steps=4, buffer_groups=4)
+    mixed = [b for b in trainer.trainer.trained if b.token_version_BC.unique().numel() > 1]
+    assert mixed, "no sequence took new weights in flight"
+    for b in mixed:
+        # Tokens are stamped in order, never going back, and the sequence's version is its oldest token's.
+        assert (b.token_version_BC.diff(dim=1) >= 0).all()
+        assert (b.policy_version_B == b.token_version_BC[:, 0]).all()
+    assert sum(
+        r["staleness/lag_0_frac"] + r["staleness/lag_1_frac"] + r["staleness/lag_2_frac"] for r in records
+    ) == (pytest.approx(len(records)))
+
+
+def test_a_full_buffer_blocks_the_generator_until_the_trainer_takes():
+    events: list[str] = []
+    generator, trainer, link = make_roles(events, max_policy_lag=4, trainer_step_s=0.1)
+    records, buffer, _ = run_stream(generator, trainer, link, steps=3, buffer_groups=2)
+    # The generator was held back (unbounded, it would sample hundreds of batches meanwhile): ahead of
+    # the trainer are at most one batch in the buffer, one in the drain's hands, one on the wire, one in
+    # the outbox, one being sent and one being sampled.
+    generated = sum(1 for e in events if e.startswith("generate"))
+    assert generated <= 3 + 6
+    assert buffer.counts.dropped_stale == 0
+    assert records[-1]["idle/generator_frac"] > 0.0
+
+
+def test_a_buffer_take_has_a_deadline():
+    buffer = RolloutBuffer(capacity_groups=2, max_policy_lag=1)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="2 more groups"):
+        buffer.take(2, current_version=0, timeout_s=0.2)
+    assert time.monotonic() - start < 2
