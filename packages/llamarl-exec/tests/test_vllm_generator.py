@@ -222,10 +222,10 @@ def _running(pid: int) -> bool:
 @pytest.mark.timeout(400)
 def test_an_engine_killed_while_idle_is_lost_and_restarted_within_its_bound(model_dir, prompts):
     """kill -9 of an idle engine: the next call is an `EngineLost` (the request meets a broken pipe or
-    an exited process) carrying the exit code; `restart_engine()` brings a new engine whose weights
-    are the checkpoint's (here never synced, so generating needs the caller to say the version is
-    current); a second restart beyond `max_engine_restarts=1` is refused. (The restart with a weight
-    sync is tests/test_vllm_engine_restart.py.)"""
+    an exited process) carrying the exit code; `restart_engine()` brings a new engine that serves the
+    checkpoint and refuses to generate until the caller sets `policy_version` (no trainer changed the
+    weights here, so the checkpoint is version 0); a restart beyond `max_engine_restarts=1` is refused.
+    (The restart with a weight sync is tests/test_vllm_engine_restart.py.)"""
     import os
     import signal
     import time
