@@ -216,3 +216,63 @@ def _running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (FileNotFoundError, ProcessLookupError):
         return False
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(400)
+def test_an_engine_killed_while_idle_is_lost_and_restarted_within_its_bound(model_dir, prompts):
+    """kill -9 of an idle engine: the next call is an `EngineLost` (the request meets a broken pipe or
+    an exited process) carrying the exit code; `restart_engine()` brings a new engine that serves the
+    checkpoint and refuses to generate until the caller sets `policy_version` (no trainer changed the
+    weights here, so the checkpoint is version 0); a restart beyond `max_engine_restarts=1` is refused.
+    (The restart with a weight sync is tests/test_vllm_engine_restart.py.)"""
+    import os
+    import signal
+    import time
+
+    from llamarl.exec.vllm_generator import EngineLost, WeightsNotSyncedError
+
+    gen = VLLMGenerator(
+        VLLMGeneratorConfig(
+            model=model_dir,
+            vllm_python=vllm_python_for_tests(),
+            temperature=TEMPERATURE,
+            seed=0,
+            num_threads=2,
+            max_model_len=512,
+            start_timeout_s=240,
+            timeout_s=240,
+            max_engine_restarts=1,
+        )
+    )
+    try:
+        gen.setup()
+        old_pid = gen.engine_pid
+        assert gen.engine_alive() and gen.engine_policy_version() == 0
+        os.kill(old_pid, signal.SIGKILL)
+        time.sleep(0.5)  # idle when it dies: the next request finds it gone
+        start = time.monotonic()
+        with pytest.raises(EngineLost) as lost:
+            gen.generate(prompts, samples_per_prompt=1, max_new_tokens=4)
+        assert time.monotonic() - start < 10
+        assert lost.value.exit_code == -signal.SIGKILL
+        assert isinstance(lost.value, EngineError) and "its log ends" in str(lost.value)
+        assert not gen.engine_alive()
+
+        gen.restart_engine()
+        assert gen.engine_alive() and gen.engine_pid != old_pid and gen.num_engine_restarts == 1
+        assert gen.policy_version is None and gen.engine_policy_version() == 0
+        with pytest.raises(WeightsNotSyncedError):
+            gen.generate(prompts, samples_per_prompt=1, max_new_tokens=4)
+        # No trainer ever changed the weights here, so the checkpoint is policy_version 0.
+        gen.policy_version = 0
+        batch = gen.generate(prompts, samples_per_prompt=2, max_new_tokens=MAX_NEW_TOKENS)
+        _check_batch(batch, prompts, 2, gen.eos_token_ids)
+        assert (batch.policy_version_B == 0).all()
+
+        with pytest.raises(EngineError, match="max_engine_restarts=1"):
+            gen.restart_engine()
+        assert gen.engine_alive()  # a refused restart leaves the running engine alone
+    finally:
+        gen.close()
+    assert gen.engine_pid is None

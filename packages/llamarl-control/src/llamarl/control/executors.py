@@ -119,7 +119,12 @@ class PolicyReceiver(Protocol):
 
 class _EngineReceiver:
     """The vLLM generator's end: its engine joined the group itself and receives straight from the
-    trainer (this rank never holds the weights)."""
+    trainer (this rank never holds the weights).
+
+    It holds the generator, not the engine, so it survives `VLLMGenerator.restart_engine()`: the new
+    engine rejoins the group under the same rank, and the next `receive()` (run while the trainer
+    sends) gets the latest weights into it.
+    """
 
     def __init__(self, generator: VLLMGenerator, timeout_s: float) -> None:
         self.generator = generator

@@ -18,6 +18,9 @@ _EXPORTS = {
     "HFGeneratorConfig": "hf_generator",
     "VLLMGenerator": "vllm_generator",
     "VLLMGeneratorConfig": "vllm_generator",
+    "EngineError": "vllm_generator",
+    "EngineLost": "vllm_generator",
+    "WeightsNotSyncedError": "vllm_generator",
     "PolicyTrainer": "trainer",
     "TrainerConfig": "trainer",
     "ProcessRewarder": "reward_pool",
@@ -35,6 +38,8 @@ _EXPORTS = {
 
 __all__ = [
     "REWARD_FNS",
+    "EngineError",
+    "EngineLost",
     "Generator",
     "HFGenerator",
     "HFGeneratorConfig",
@@ -47,6 +52,7 @@ __all__ = [
     "TrainerConfig",
     "VLLMGenerator",
     "VLLMGeneratorConfig",
+    "WeightsNotSyncedError",
     "extract_gsm8k_answer",
     "get_reward_fn",
     "gsm8k_reward",
@@ -71,7 +77,13 @@ if TYPE_CHECKING:
     )
     from llamarl.exec.trainer import PolicyTrainer, TrainerConfig
     from llamarl.exec.types import Generator, Rewarder, RolloutBatch, Trainer
-    from llamarl.exec.vllm_generator import VLLMGenerator, VLLMGeneratorConfig
+    from llamarl.exec.vllm_generator import (
+        EngineError,
+        EngineLost,
+        VLLMGenerator,
+        VLLMGeneratorConfig,
+        WeightsNotSyncedError,
+    )
 
 
 def __getattr__(name: str):

@@ -15,6 +15,12 @@ trainer's weight-sync group (llamarl.comm's vLLM worker extension) as this rank,
 `receive_weights` has it receive the trainer's tensors directly (DDMA), load them with vLLM's own
 loaders and reset the prefix cache.
 
+An engine that dies (crash, out of memory, kill -9) is an `EngineLost`; `restart_engine()` starts a new
+one in its place, which rejoins the weight-sync group under the same rank (llamarl.comm's rejoin: the
+trainer's next send fails naming this rank, the send after that re-forms the group and delivers the
+latest weights). Until that delivery the new engine serves the checkpoint it started from, not the
+policy: `policy_version` is None and `generate` refuses (`WeightsNotSyncedError`).
+
 Behaviour log-probs: the engine runs with `logprobs_mode="processed_logprobs"` and `logprobs=0`, so each
 sampled token comes with log softmax(z / T)[token] of the distribution it was drawn from; temperature
 is the only sampling knob that is not neutral. Greedy requests (evaluation) skip the temperature in
@@ -59,10 +65,34 @@ class VLLMGeneratorConfig:
     start_timeout_s: float = 300.0  # deadline for the engine to start (imports, model load)
     timeout_s: float = 600.0  # deadline for any other request (a generate call, a weight sync)
     log_path: str | None = None  # where the engine's stdout/stderr go; None: a temporary file
+    # How many times restart_engine() may replace a dead engine over this generator's life: an engine
+    # that keeps dying (bad model, out of memory) must end the run, not restart forever.
+    max_engine_restarts: int = 3
 
 
 class EngineError(RuntimeError):
     """The engine process failed, died or missed a deadline; the message carries its error or log tail."""
+
+
+class EngineLost(EngineError):
+    """The engine process is gone (it exited, was killed, or closed its connection).
+
+    Restartable: `VLLMGenerator.restart_engine()` starts a new engine in its place. Other `EngineError`s
+    (an error raised inside a live engine, a missed deadline) are not this class.
+
+    Attributes:
+        exit_code: the engine's exit status (negative: killed by that signal), None if unknown.
+    """
+
+    def __init__(self, message: str, *, exit_code: int | None) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class WeightsNotSyncedError(RuntimeError):
+    """`generate` was called while the engine holds no synced policy: it was restarted (it serves the
+    checkpoint it started from, not the trainer's latest weights) or its last weight sync failed
+    (weights partly replaced). A `receive_weights` that succeeds ends this state."""
 
 
 class VLLMGenerator:
@@ -71,6 +101,10 @@ class VLLMGenerator:
     Attributes:
         policy_version: the version of the weights the engine serves; set by `receive_weights` (or by
             the controller after a sync) and checked against the engine's own report on every generate.
+            None while the engine holds no synced weights: after `restart_engine()` and after a failed
+            `receive_weights`, until the next successful one; `generate` then raises
+            `WeightsNotSyncedError`.
+        num_engine_restarts: how many times `restart_engine()` replaced the engine.
         engine_info: what the engine reported on start (vllm and torch versions, start time).
         last_metrics: timings and counts of the latest `generate` call.
     """
@@ -79,7 +113,8 @@ class VLLMGenerator:
         if config.temperature <= 0:
             raise ValueError(f"temperature must be positive, got {config.temperature}")
         self.config = config
-        self.policy_version = 0
+        self.policy_version: int | None = 0
+        self.num_engine_restarts = 0
         self.engine_info: dict[str, Any] = {}
         self.last_metrics: dict[str, float] = {}
         self._proc: subprocess.Popen | None = None
@@ -87,6 +122,9 @@ class VLLMGenerator:
         self._log_path: Path | None = None
         self._temporary_log = False  # the log is ours to delete after a clean close
         self._num_calls = 0
+        # The weight-sync group this generator joined (connect_weight_sync's arguments): a restarted
+        # engine rejoins it under the same rank.
+        self._weight_sync: dict[str, Any] | None = None
 
     # ----------------------------------------------------------------------------------------------
     # lifecycle
@@ -94,7 +132,6 @@ class VLLMGenerator:
     def setup(self) -> None:
         """Starts the engine process and waits (at most start_timeout_s) until it serves."""
         cfg = self.config
-        python = find_vllm_python(cfg.vllm_python)
         self.eos_token_ids, self.pad_token_id = _special_tokens(Path(cfg.model))
         if cfg.log_path:
             self._log_path = Path(cfg.log_path)
@@ -104,6 +141,13 @@ class VLLMGenerator:
             self._log_path = Path(name)
             self._temporary_log = True
         self._log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._start_engine()
+
+    def _start_engine(self) -> None:
+        """Starts an engine process (appending to the log) and waits until it serves."""
+        cfg = self.config
+        assert self._log_path is not None
+        python = find_vllm_python(cfg.vllm_python)
         ours, theirs = socket.socketpair()
         command = [
             python,
@@ -135,10 +179,46 @@ class VLLMGenerator:
             raise EngineError(f"the vLLM engine failed to start:\n{info}")
         self.engine_info = info
 
+    def restart_engine(self) -> None:
+        """Replaces the engine with a new one, e.g. after an `EngineLost`; the trainer's state is untouched.
+
+        Kills the old engine if it still runs (a timed-out one may be stuck), starts a new engine
+        (waiting at most start_timeout_s) and, if `connect_weight_sync` ran before, has it rejoin the
+        same weight-sync group under the same rank (waiting at most that call's timeout_s). The new
+        engine serves the checkpoint it starts from, so `policy_version` is None until a
+        `receive_weights` succeeds: the trainer's first send after the engine died fails (llamarl.comm
+        raises `WeightSyncError` naming this rank there), and the one after re-forms the group with the
+        new engine and delivers the latest weights. Objects that forward to this generator (the
+        controller's weight receiver) keep working.
+
+        Raises EngineError when max_engine_restarts restarts were already made, or when the new engine
+        fails to start or to rejoin (the log tail in the message).
+        """
+        if self._log_path is None:
+            raise RuntimeError("restart_engine() called before setup()")
+        if self.num_engine_restarts >= self.config.max_engine_restarts:
+            raise EngineError(
+                f"the vLLM engine was already restarted {self.num_engine_restarts} times "
+                f"(max_engine_restarts={self.config.max_engine_restarts}); its log ends:\n{self._log_tail()}"
+            )
+        self.num_engine_restarts += 1
+        self._kill()
+        # The new engine's weights are the checkpoint's, whatever the old one served.
+        self.policy_version = None
+        with self._log_path.open("a") as log:  # where one engine's log ends and the next begins
+            log.write(f"\n[llamarl] restarting the vLLM engine (restart {self.num_engine_restarts})\n")
+        self._start_engine()
+        if self._weight_sync is not None:
+            self._join_weight_sync(**self._weight_sync)
+
     @property
     def engine_pid(self) -> int | None:
         """Process id of the engine (None before setup and after close)."""
         return None if self._proc is None else self._proc.pid
+
+    def engine_alive(self) -> bool:
+        """Whether the engine process runs (False before setup, after close and once it died)."""
+        return self._proc is not None and self._proc.poll() is None
 
     def close(self) -> None:
         """Stops the engine process (politely, then by force after a few seconds). Idempotent."""
@@ -174,9 +254,10 @@ class VLLMGenerator:
         deadline = time.monotonic() + timeout_s
         while not self._conn.poll(min(1.0, max(0.0, deadline - time.monotonic()))):
             if self._proc.poll() is not None:
-                raise EngineError(
+                raise EngineLost(
                     f"the vLLM engine exited (code {self._proc.returncode}) while waiting for {what}; "
-                    f"its log ends:\n{self._log_tail()}"
+                    f"its log ends:\n{self._log_tail()}",
+                    exit_code=self._proc.returncode,
                 )
             if time.monotonic() >= deadline:
                 raise EngineError(
@@ -184,18 +265,31 @@ class VLLMGenerator:
                 )
         try:
             return self._conn.recv()
-        except EOFError:
-            self._proc.wait(timeout=30)
-            raise EngineError(
-                f"the vLLM engine closed its connection (exit code {self._proc.returncode}) while "
-                f"waiting for {what}; its log ends:\n{self._log_tail()}"
-            ) from None
+        except (EOFError, OSError):  # EOF, or a reset connection: the engine is gone or going
+            raise self._lost(f"closed its connection while waiting for {what}") from None
+
+    def _lost(self, what_happened: str) -> EngineLost:
+        """An EngineLost for an engine whose connection broke: waits (bounded) for it to exit."""
+        assert self._proc is not None
+        try:
+            exit_code: int | None = self._proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            # A closed connection but a live process: it cannot serve us any more; do not leave it.
+            self._proc.kill()
+            exit_code = self._proc.wait(timeout=30)
+        return EngineLost(
+            f"the vLLM engine {what_happened} (exit code {exit_code}); its log ends:\n{self._log_tail()}",
+            exit_code=exit_code,
+        )
 
     def _call(self, method: str, *, deadline_s: float | None = None, **kwargs: Any) -> Any:
         """Runs `method(**kwargs)` in the engine; waits at most deadline_s (default: config.timeout_s)."""
         if self._conn is None:
             raise RuntimeError("VLLMGenerator used before setup() or after close()")
-        self._conn.send((method, kwargs))
+        try:
+            self._conn.send((method, kwargs))
+        except OSError:  # broken pipe: the engine died while idle
+            raise self._lost(f"was gone when {method} was sent") from None
         status, value = self._receive(deadline_s or self.config.timeout_s, what=method)
         if status != "ok":
             raise EngineError(f"the vLLM engine failed in {method}:\n{value}")
@@ -214,7 +308,21 @@ class VLLMGenerator:
         self, *, host: str, port: int, rank: int, world_size: int, timeout_s: float, src_rank: int = 0
     ) -> int:
         """Has the engine's worker join the trainer's weight-sync group as `rank`; returns how many
-        tensors it expects. The trainer's `WeightSender` must be built at about the same time."""
+        tensors it expects. The trainer's `WeightSender` must be built at about the same time.
+        `restart_engine()` has a new engine rejoin this group with the same arguments."""
+        num_tensors = self._join_weight_sync(
+            host=host, port=port, rank=rank, world_size=world_size, timeout_s=timeout_s, src_rank=src_rank
+        )
+        self._weight_sync = dict(
+            host=host, port=port, rank=rank, world_size=world_size, timeout_s=timeout_s, src_rank=src_rank
+        )
+        return num_tensors
+
+    def _join_weight_sync(
+        self, *, host: str, port: int, rank: int, world_size: int, timeout_s: float, src_rank: int
+    ) -> int:
+        # A fresh engine in a group that already ran rejoins by itself: its WeightReceiver sees the
+        # group's first generation done and asks for a new one (llamarl.comm.WeightReceiver).
         return self._call(
             "init_weight_sync",
             deadline_s=timeout_s + 30,  # the engine's own wait has timeout_s; this one must outlast it
@@ -228,8 +336,10 @@ class VLLMGenerator:
 
     def receive_weights(self, timeout_s: float | None = None) -> int:
         """Has the engine receive one sync from the trainer (load, reset the prefix cache); returns and
-        adopts its policy_version."""
+        adopts its policy_version. On failure `policy_version` is None (the weights may be partly
+        replaced) until a later call succeeds."""
         wait_s = timeout_s or self.config.timeout_s
+        self.policy_version = None
         # The engine waits at most wait_s for the trainer; this wait outlasts it to get its error.
         self.policy_version = int(self._call("receive_weights", deadline_s=wait_s + 30, timeout_s=wait_s))
         return self.policy_version
@@ -259,9 +369,20 @@ class VLLMGenerator:
 
         Returns:
             RolloutBatch with rewards zeros and policy_version_B the version the engine reports.
+
+        Raises:
+            EngineLost: the engine died (before or during the call); `restart_engine()` replaces it.
+            WeightsNotSyncedError: `policy_version` is None (see the class doc).
         """
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
+        if self.policy_version is None:
+            # Rollouts from a restarted engine's checkpoint weights would be stamped as no policy at
+            # all; the caller must deliver the latest weights first.
+            raise WeightsNotSyncedError(
+                "the vLLM engine holds no synced weights (restarted, or its last sync failed): "
+                "receive_weights() first"
+            )
         start = time.perf_counter()
         # A fresh request seed per call (seeded runs stay reproducible, calls do not repeat each other).
         seed = None if self.config.seed is None else self.config.seed * 100_003 + self._num_calls
