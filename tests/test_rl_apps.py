@@ -137,14 +137,14 @@ def test_dynamic_sampling_drops_groups_with_equal_rewards(tiny_model_dir, gsm8k_
 
 
 @pytest.mark.timeout(600)
-def test_math_app_offline_on_embedded_data_with_two_generators_and_a_loss_picked_by_name(
+def test_math_app_offline_on_embedded_data_with_two_streaming_generators_and_a_loss_picked_by_name(
     tiny_model_dir, tmp_path
 ):
     out = tmp_path / "math"
     args = common_args(tiny_model_dir, Path("unused"), out)
     del args[2:4]  # no --data: offline, the app falls back to the copy it ships
     result = run_app(
-        "math_rl", *args, "--num-generators", "2", "--no-wandb",
+        "math_rl", *args, "--num-generators", "2", "--no-wandb", "--mode", "stream",
         "--loss", "dapo", "--advantage", "rloo", "--loss-arg", "clip_high=0.3",
         env={"HF_HUB_OFFLINE": "1"},
     )  # fmt: skip
@@ -155,6 +155,7 @@ def test_math_app_offline_on_embedded_data_with_two_generators_and_a_loss_picked
     assert "Retrying" not in result.stderr and "retry" not in result.stderr.lower()
     summary = json.loads((out / "summary.json").read_text())
     assert summary["num_generators"] == 2 and summary["final_policy_version"] == 3
+    assert summary["mode"] == "stream" and summary["policy_lag_max"] <= 1
     first_step = read_step_metrics(out)[0]
     assert "train/clipped_fraction" in first_step  # DAPO's metric: the loss picked by name was used
     assert {p.name for p in out.glob("samples.rank*.jsonl")} == {"samples.rank1.jsonl", "samples.rank2.jsonl"}
@@ -335,6 +336,37 @@ def test_gsm8k_app_with_vllm_generator(small_model_dir, gsm8k_dir, tmp_path):
     served = [int(v) for v in re.findall(r"serves policy_version (\d+)", log)]
     assert served == [1, 2, 3], log[-3000:]
     assert served[-1] == summary["final_policy_version"]
+
+
+@pytest.mark.timeout(600)
+def test_stream_run_replaces_a_killed_vllm_engine_while_the_trainer_keeps_its_state(
+    small_model_dir, gsm8k_dir, tmp_path
+):
+    """kill -9 of a generator's engine mid-run (stream mode): the generator rank starts a new engine,
+    which rejoins the weight-sync group and gets the trainer's current weights; the request that died
+    is sampled again, nothing is sampled or trained twice, and the run ends with all its steps."""
+    python = vllm_python_for_tests()
+    out = tmp_path / "vllm_stream"
+    result = run_app(
+        "gsm8k_rl", *common_args(small_model_dir, gsm8k_dir, out), "--generator", "vllm",
+        "--vllm-python", python, "--no-wandb", "--mode", "stream", "--max-new-tokens", "48",
+        env={"LLAMARL_FAULT": "1:1:engine"}, timeout=560,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-6000:]
+    assert "restarting the engine" in result.stderr, result.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["final_policy_version"] == 3
+    assert summary["engine_restarts"] == 1
+    assert summary["policy_lag_max"] <= 1
+    # Nothing sampled twice: every question's group appears once in the samples (2 per prompt).
+    questions = [r["question"] for r in read_samples(out)]
+    assert all(questions.count(q) == 2 for q in questions)
+    # The new engine got the trainer's weights (not the checkpoint) and served the final policy.
+    log = (out / "logs" / "vllm_engine.rank1.log").read_text()
+    before, marker, after = log.partition("restarting the vLLM engine")
+    assert marker, log[-3000:]
+    served_after = [int(v) for v in re.findall(r"serves policy_version (\d+)", after)]
+    assert served_after and served_after[-1] == 3, log[-3000:]
 
 
 def test_vllm_generator_without_its_environment_is_a_one_line_error(tiny_model_dir, gsm8k_dir, tmp_path):

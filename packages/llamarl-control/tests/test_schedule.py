@@ -132,6 +132,12 @@ class DictStore:
         with self._lock:
             return all(k in self._data for k in keys)
 
+    def add(self, key: str, amount: int) -> int:
+        with self._lock:
+            value = int(self._data.get(key, b"0")) + amount
+            self._data[key] = str(value).encode()
+            return value
+
 
 def make_roles(
     events: list[str],

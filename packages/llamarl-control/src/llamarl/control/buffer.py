@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from llamarl.control.channels import concat_rollouts
@@ -68,26 +69,41 @@ class RolloutBuffer:
                 self.counts.received += 1
                 self._cond.notify_all()
 
-    def take(self, num_groups: int, *, current_version: int, timeout_s: float) -> RolloutBatch:
+    def take(
+        self,
+        num_groups: int,
+        *,
+        current_version: int,
+        timeout_s: float,
+        on_wait: Callable[[], None] | None = None,
+        poll_s: float = 0.25,
+    ) -> RolloutBatch:
         """The oldest `num_groups` groups not older than `max_policy_lag` versions, as one batch.
 
-        Waits until that many are there; drops stale groups on the way (counted in `counts`).
-        Returns a batch of B = num_groups * G sequences.
+        Waits until that many are there; drops stale groups on the way (counted in `counts`). While
+        waiting, calls `on_wait` every `poll_s` seconds without holding the buffer's lock (the trainer
+        answers a restarted generator's request for weights there). Returns B = num_groups * G rows.
         """
         deadline = time.monotonic() + timeout_s
         taken: list[RolloutBatch] = []
-        with self._cond:
-            while len(taken) < num_groups:
-                while not self._groups:
-                    self._wait(deadline, f"{num_groups - len(taken)} more groups from the generators")
-                group = self._groups.popleft()
-                self._cond.notify_all()  # room for a waiting put
-                if current_version - int(group.policy_version_B.min()) > self.max_policy_lag:
-                    self.counts.dropped_stale += 1
-                    continue
-                taken.append(group)
-            self.counts.taken += len(taken)
-        return concat_rollouts(taken)
+        while True:
+            with self._cond:
+                while len(taken) < num_groups and self._groups:
+                    group = self._groups.popleft()
+                    self._cond.notify_all()  # room for a waiting put
+                    if current_version - int(group.policy_version_B.min()) > self.max_policy_lag:
+                        self.counts.dropped_stale += 1
+                    else:
+                        taken.append(group)
+                if len(taken) == num_groups:
+                    self.counts.taken += len(taken)
+                    return concat_rollouts(taken)
+                wait_until = deadline if on_wait is None else min(deadline, time.monotonic() + poll_s)
+                if time.monotonic() >= deadline:
+                    self._groups.extendleft(reversed(taken))  # nothing is lost by a timeout
+                self._wait(deadline, f"{num_groups - len(taken)} more groups from the generators", wait_until)
+            if on_wait is not None:
+                on_wait()
 
     def close(self) -> None:
         """Wakes every waiter with BufferClosed; later puts and takes fail at once."""
@@ -95,12 +111,12 @@ class RolloutBuffer:
             self._closed = True
             self._cond.notify_all()
 
-    def _wait(self, deadline: float, what: str) -> None:
+    def _wait(self, deadline: float, what: str, until: float | None = None) -> None:
+        """Waits for a notification until `until` (default: `deadline`); raises past the deadline."""
         if self._closed:
             raise BufferClosed(f"rollout buffer closed while waiting for {what}")
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
+        if time.monotonic() >= deadline:
             raise BufferTimeout(f"waited too long for {what}")
-        self._cond.wait(remaining)
+        self._cond.wait(max(0.0, (deadline if until is None else until) - time.monotonic()))
         if self._closed:
             raise BufferClosed(f"rollout buffer closed while waiting for {what}")

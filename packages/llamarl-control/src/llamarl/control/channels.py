@@ -22,6 +22,7 @@ GENERATOR_TOTALS = (
     "alive_s_total",  # seconds since the generator role started
     "groups_total",  # groups sampled
     "filtered_total",  # groups dropped by dynamic sampling (all rewards equal)
+    "engine_restarts_total",  # dead engines replaced (stream mode with vLLM)
 )
 # Generator-side metrics that travel with each batch, in this order (a float64 tensor of length M).
 GENERATOR_METRICS = (

@@ -63,6 +63,7 @@ class RunConfig:
     vllm_python: str | None = None  # interpreter of the vLLM environment; None: $LLAMARL_VLLM_PYTHON,
     # else the one tools/setup_vllm_env.sh builds in ~/.cache/llamarl
     vllm_max_model_len: int | None = None  # prompt + completion limit of each engine; None: the model's
+    max_engine_restarts: int = 3  # stream mode: dead vLLM engines a generator replaces before failing
 
     # Ranks and devices.
     num_trainers: int = 1  # trainer ranks 0..N-1 (FSDP2 over them when N > 1, or on CUDA); rank 0 logs
@@ -134,7 +135,14 @@ class RunConfig:
             raise ConfigError(f"temperature must be positive, got {self.temperature}")
         if self.keep_checkpoints < 1:
             raise ConfigError(f"keep_checkpoints must be at least 1, got {self.keep_checkpoints}")
-        for name in ("eval_size", "eval_samples", "eval_every", "checkpoint_every", "max_restarts"):
+        for name in (
+            "eval_size",
+            "eval_samples",
+            "eval_every",
+            "checkpoint_every",
+            "max_restarts",
+            "max_engine_restarts",
+        ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be 0 or more, got {getattr(self, name)}")
         if self.lr <= 0 or self.timeout_s <= 0 or self.reward_timeout_s <= 0:

@@ -74,7 +74,9 @@ _MUST_MATCH_ON_RESUME = ("mode", "seed", "prompts_per_step", "samples_per_prompt
 EVAL_CHUNK = 32  # prompts per greedy generate call during evaluation
 # "RANK:TICK" raises on that rank at the start of that tick, "RANK:TICK:kill" kills it (SIGKILL);
 # a last ":checkpoint" strikes instead inside the checkpoint write of that tick, after the rank has
-# written its part and before the commit. Faults strike in the first attempt only, not after a restart.
+# written its part and before the commit; "RANK:N:engine" kills (SIGKILL) the vLLM engine of that
+# generator rank half a second into its stream request N. Faults strike in the first attempt only,
+# not after a restart.
 FAULT_ENV = "LLAMARL_FAULT"
 
 
@@ -193,6 +195,7 @@ class Controller:
                 max_policy_lag=cfg.max_policy_lag,
                 timeline=self.timeline,
                 clock=self._loop_clock,
+                tolerate_sync_failures=self._replaces_engines(),
             )
             return
         share = cfg.prompts_per_step // cfg.num_generators
@@ -219,7 +222,15 @@ class Controller:
             ),
             timeline=self.timeline,
             sample_log=self._samples,
+            before_request=lambda n: self._maybe_fail(n, phase="request"),
+            replace_engines=self._replaces_engines(),
         )
+
+    def _replaces_engines(self) -> bool:
+        """Whether a dead vLLM engine is replaced while the trainer keeps its state: in stream mode with
+        one trainer rank (elsewhere the run fails and torch elastic restarts it from a checkpoint)."""
+        cfg = self.config
+        return cfg.mode == "stream" and cfg.generator == "vllm" and cfg.num_trainers == 1
 
     def _setup_checkpoints(self) -> dict[str, Any]:
         """Builds the checkpoint writer; on resume picks the checkpoint and returns its controller state.
@@ -464,6 +475,7 @@ class Controller:
                     cfg.prompts_per_step,
                     current_version=self.trainer.policy_version,
                     timeout_s=cfg.timeout_s,
+                    on_wait=lambda: self.trainer_role.answer_weight_requests(control),
                 )
             except Exception as e:
                 if errors:
@@ -648,6 +660,11 @@ class Controller:
             return
         if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
             return  # the restarted run must get past the point where the first attempt failed
+        if phase == "request":  # the engine dies in the middle of this request; the rank lives on
+            pid = self.generator.engine_pid
+            threading.Timer(0.5, os.kill, args=(pid, signal.SIGKILL)).start()
+            self._fault = None
+            return
         # Tests measure how long the run takes to end after the fault, so record when it struck.
         marker = {"rank": self.rank, "tick": tick, "phase": phase, "time": time.time()}
         (self.output_dir / "errors" / "injected_fault.json").write_text(json.dumps(marker))
@@ -712,6 +729,8 @@ class Controller:
             "generator_idle_frac_mean": _mean(_finite(r.get("idle/generator_frac") for r in records)),
             "trainer_idle_frac_mean": _mean(_finite(r.get("idle/trainer_frac") for r in records)),
             "filtered_groups": sum(_finite(r.get("sampling/filtered_groups") for r in records)),
+            "engine_restarts": sum(_finite(r.get("generator/engine_restarts") for r in records)),
+            "weight_sync_failures": self.trainer_role.sync_failures,
             "sampled_groups": sum(_finite(r.get("sampling/groups") for r in records)),
             **({"stream": self._stream_counts} if self._stream_counts else {}),
             "eval_size": len(self.eval_examples),
@@ -777,12 +796,13 @@ def _device(name: str) -> torch.device:
 
 
 def _parse_fault(spec: str | None) -> tuple[int, int, bool, str] | None:
-    """(rank, tick, kill, phase) from "RANK:TICK[:kill][:checkpoint]"."""
+    """(rank, tick, kill, phase) from "RANK:TICK[:kill][:checkpoint]" or "RANK:REQUEST:engine"."""
     if not spec:
         return None
     parts = spec.split(":")
     flags = set(parts[2:])
-    return int(parts[0]), int(parts[1]), "kill" in flags, "checkpoint" if "checkpoint" in flags else "tick"
+    phase = "checkpoint" if "checkpoint" in flags else "request" if "engine" in flags else "tick"
+    return int(parts[0]), int(parts[1]), "kill" in flags, phase
 
 
 def _plain(config: RunConfig) -> dict[str, Any]:

@@ -88,6 +88,7 @@ def build_generator(config: RunConfig, device: torch.device, *, seed: int, rank:
                 temperature=config.temperature,
                 seed=seed,
                 max_model_len=config.vllm_max_model_len,
+                max_engine_restarts=config.max_engine_restarts,
                 # The engine does this rank's work, so it gets this rank's share of the cores (all of
                 # them in sync mode, where ranks take turns); the rank itself only waits on it.
                 num_threads=torch.get_num_threads(),

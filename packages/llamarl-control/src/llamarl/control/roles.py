@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -28,9 +29,11 @@ from typing import Protocol, TextIO
 
 import torch
 
+from llamarl.comm import WeightSyncError
 from llamarl.control.buffer import BufferClosed, RolloutBuffer
 from llamarl.control.channels import GENERATOR_TOTALS, concat_rollouts
 from llamarl.control.timeline import Timeline
+from llamarl.exec import EngineLost
 from llamarl.exec.types import Generator, Rewarder, RolloutBatch, Trainer
 
 
@@ -85,29 +88,40 @@ class KeyValueStore(Protocol):
 
     def check(self, keys: list[str]) -> bool: ...
 
+    def add(self, key: str, amount: int) -> int: ...
+
 
 class StreamControl:
-    """Flags every rank reads through a key-value store: the weights the trainer is about to send and
-    whether the run is over. Generators poll them between decoding steps, so the reads must be cheap."""
+    """Counters every rank reads through a key-value store: how many weight syncs the trainer started
+    (every generator takes part in each), whether the run is over, and how many times a generator
+    asked for the current weights again (its engine was replaced, or a sync failed half-way).
+    Generators poll them between decoding steps, so the reads must be cheap."""
 
-    _VERSION = "stream/announced_version"
+    _SYNCS = "stream/syncs_announced"
     _STOP = "stream/stop"
+    _WANTED = "stream/weights_wanted"
 
     def __init__(self, store: KeyValueStore) -> None:
         self.store = store
 
-    def announce(self, policy_version: int) -> None:
-        """Trainer: weights of `policy_version` are about to be sent; generators should take them."""
-        self.store.set(self._VERSION, str(policy_version))
+    def announce(self) -> int:
+        """Trainer: a weight sync starts now; every generator should take part. Returns its number."""
+        return self.store.add(self._SYNCS, 1)
 
     def announced(self) -> int:
-        """The latest announced version (-1 before any)."""
-        if not self.store.check([self._VERSION]):
-            return -1
-        return int(self.store.get(self._VERSION))
+        """How many weight syncs were announced (0 before any)."""
+        return self.store.add(self._SYNCS, 0)
 
     def stop(self) -> None:
         self.store.set(self._STOP, "1")
+
+    def want_weights(self) -> None:
+        """Generator: a restarted engine holds no synced weights; asks the trainer to send them again."""
+        self.store.add(self._WANTED, 1)
+
+    def weights_wanted(self) -> int:
+        """How many times generators asked for the current weights again (cumulative)."""
+        return self.store.add(self._WANTED, 0)
 
     def stopped(self) -> bool:
         return self.store.check([self._STOP])
@@ -198,6 +212,8 @@ class GeneratorRole:
         setup: GeneratorSetup,
         timeline: Timeline,
         sample_log: TextIO | None = None,
+        before_request: Callable[[int], None] | None = None,
+        replace_engines: bool = False,
     ) -> None:
         self.generator = generator
         self.rewarder = rewarder
@@ -210,13 +226,17 @@ class GeneratorRole:
         self.setup = setup
         self.timeline = timeline
         self.sample_log = sample_log
+        self.before_request = before_request  # stream mode: called with each request's number (faults)
+        self.replace_engines = replace_engines  # stream mode: restart a dead engine instead of failing
         self.totals = dict.fromkeys(GENERATOR_TOTALS, 0.0)
         self._born = time.perf_counter()
         self.tick = -1  # the tick (lock step) or request number (stream) being worked on
 
     @property
     def policy_version(self) -> int:
-        return int(self.generator.policy_version)
+        """The version held; -1 while a restarted engine holds no synced weights."""
+        version = self.generator.policy_version
+        return -1 if version is None else int(version)
 
     def receive_weights(self) -> int:
         """Takes the weights the trainer sends now; returns their version."""
@@ -319,33 +339,83 @@ class GeneratorRole:
         generator must accept `between_steps`); tokens are stamped with the version that sampled them.
         """
         requests = 0
+        self._syncs_taken = 0
 
         def take_new_weights() -> None:
-            if control.announced() > self.policy_version:
+            announced = control.announced()
+            if announced <= self._syncs_taken:
+                return
+            # One sync at a time: the trainer announces the next only after every generator took this.
+            self._syncs_taken = announced
+            try:
                 self.receive_weights()
+            except WeightSyncError as e:  # another generator's engine died during it: ask again
+                if not self.replace_engines:
+                    raise
+                print(f"generator: weight sync failed ({e}); asking for the weights again", file=sys.stderr)
+                self.generator.policy_version = None
+                control.want_weights()
 
         def between_steps() -> None:
             if control.stopped():
                 raise StreamStopped
             take_new_weights()
 
+        # A request's prompts whose engine died before they were sampled, or a batch whose engine died
+        # while it waited to be queued (taking weights): handled again after the engine is replaced.
+        retry: list[int] = []
+        undelivered: tuple[RolloutBatch, dict[str, float]] | None = None
         while True:
-            take_new_weights()
-            if control.stopped():
-                break
-            self.tick = requests
+            indices: list[int] = []
             try:
-                batch, _, metrics = self._sample(
-                    self.prompts.take(self.setup.prompts_per_request), between_steps if in_flight else None
-                )
+                take_new_weights()
+                if control.stopped():
+                    break
+                if self.policy_version < 0:  # no usable weights until the trainer sends them again
+                    time.sleep(0.05)
+                    continue
+                if undelivered is None:
+                    self.tick = requests
+                    indices, retry = retry or self.prompts.take(self.setup.prompts_per_request), []
+                    if self.before_request is not None:
+                        self.before_request(requests)
+                    batch, _, metrics = self._sample(indices, between_steps if in_flight else None)
+                    requests += 1
+                    if batch is None:  # every group filtered by dynamic sampling
+                        continue
+                    undelivered = (batch, {**metrics, **self.metrics()})
+                # Time blocked here on a full trainer buffer counts as idle.
+                outbox.put(*undelivered, while_waiting=take_new_weights)
+                undelivered = None
             except StreamStopped:
                 break
-            requests += 1
-            if batch is not None:  # time blocked here on a full trainer buffer counts as idle
-                outbox.put(batch, {**metrics, **self.metrics()}, while_waiting=take_new_weights)
+            except EngineLost as e:
+                self._replace_engine(e, control)
+                if undelivered is None:
+                    retry = indices  # nothing of that request reached the trainer: sample it again
         take_new_weights()  # the final weights are announced before the stop
         outbox.close(self.metrics())
         return requests
+
+    def _replace_engine(self, error: EngineLost, control: StreamControl) -> None:
+        """Restarts a dead engine (the trainer keeps its state); the new one gets the current weights."""
+        restart = getattr(self.generator, "restart_engine", None)
+        if restart is None or not self.replace_engines:
+            raise error
+        first_line = str(error).splitlines()[0]
+        print(f"generator: {first_line}: restarting the engine", file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        restart()
+        self.totals["engine_restarts_total"] += 1
+        # Syncs announced so far were for the dead engine; the new one joins the next (a sync in
+        # flight while it rejoined fails on the trainer's side and is answered again below).
+        self._syncs_taken = control.announced()
+        if self._syncs_taken == 0:
+            self.generator.policy_version = 0  # no weights were ever sent: the checkpoint is current
+        else:
+            control.want_weights()  # taken by take_new_weights() once the trainer sends them again
+        seconds = time.perf_counter() - start
+        print(f"generator: engine restarted in {seconds:.1f} s", file=sys.stderr, flush=True)
 
 
 def _groups(batch: RolloutBatch) -> list[RolloutBatch]:
@@ -386,6 +456,7 @@ class GeneratorStats:
             "groups": sum(d["groups_total"] for d in deltas),
             "filtered": sum(d["filtered_total"] for d in deltas),
             "generator_idle_frac": sum(idle) / len(idle) if idle else float("nan"),
+            "engine_restarts": sum(d["engine_restarts_total"] for d in deltas),
         }
 
 
@@ -410,14 +481,21 @@ class TrainerRole:
         max_policy_lag: int,
         timeline: Timeline,
         clock: Callable[[], float] = time.perf_counter,
+        tolerate_sync_failures: bool = False,
     ) -> None:
         self.trainer = trainer
+        # Where a generator's engine can be replaced: a sync that failed on a dead engine is logged and
+        # training goes on; the replaced engine (and any generator the failure reached) asks for the
+        # weights again (`answer_weight_requests`).
+        self.tolerate_sync_failures = tolerate_sync_failures
+        self.sync_failures = 0
         self._send = send_weights
         self.max_policy_lag = max_policy_lag
         self.timeline = timeline
         self.clock = clock  # the loop clock: stops while the controller evaluates inside the loop
         self.last_sync_s = float("nan")
         self.generator_stats = GeneratorStats()
+        self._answered = 0  # requests for weights answered (StreamControl.weights_wanted)
         self._last_step_end: float | None = None
         self.tick = -1
 
@@ -429,7 +507,18 @@ class TrainerRole:
         """Sends the current weights to the generators (every trainer rank sends its shards)."""
         start = time.perf_counter()
         with self.timeline.phase("weight_sync", self.tick):
-            self._send(self.policy_version)
+            try:
+                self._send(self.policy_version)
+            except WeightSyncError as e:
+                if not self.tolerate_sync_failures:
+                    raise
+                self.sync_failures += 1
+                print(
+                    f"trainer: weight sync of version {self.policy_version} failed ({e}); training goes "
+                    "on and the weights go again to whoever asks",
+                    file=sys.stderr,
+                    flush=True,
+                )
         self.last_sync_s = time.perf_counter() - start
 
     def train(self, batch: RolloutBatch, whole_batch: RolloutBatch | None = None) -> dict[str, float]:
@@ -470,6 +559,7 @@ class TrainerRole:
             "sampling/groups": gen.get("groups", float("nan")),
             "sampling/filtered_groups": gen.get("filtered", float("nan")),
             "idle/generator_frac": gen.get("generator_idle_frac", float("nan")),
+            "generator/engine_restarts": gen.get("engine_restarts", float("nan")),
             "idle/trainer_frac": 1.0 - train_s / step_s if step_s == step_s and step_s > 0 else float("nan"),
             **staleness_histogram(whole, version, self.max_policy_lag),
             **{f"train/{k}": v for k, v in train_metrics.items()},
@@ -492,14 +582,22 @@ class TrainerRole:
         for step in range(steps):
             self.tick = step
             with self.timeline.phase("rollouts", step):
-                whole = take()
+                whole = take()  # the first trainer rank answers requests for weights while it waits
             record = self.train(relay(whole), whole)
             on_step(record)
             if control is not None:
-                control.announce(self.policy_version)
+                control.announce()
             self.send_weights()
         if control is not None:
             control.stop()
+
+    def answer_weight_requests(self, control: StreamControl) -> None:
+        """Sends the current weights again when a restarted generator asked for them (stream mode)."""
+        wanted = control.weights_wanted()
+        if wanted > self._answered:
+            self._answered = wanted
+            control.announce()
+            self.send_weights()
 
 
 def drain_into_buffer(
