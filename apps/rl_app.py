@@ -86,6 +86,13 @@ def build_parser(task: str) -> argparse.ArgumentParser:
         help="drop groups whose samples all got the same reward and sample more prompts instead",
     )
     p.add_argument(
+        "--max-engine-restarts",
+        type=int,
+        default=defaults.max_engine_restarts,
+        help="stream mode with --generator vllm: dead engines a generator replaces while the trainer "
+        "keeps going (default: %(default)s)",
+    )
+    p.add_argument(
         "--max-sampling-rounds",
         type=int,
         default=defaults.max_sampling_rounds,
@@ -224,6 +231,7 @@ def config_from_args(task: str, args: argparse.Namespace, model: str) -> RunConf
         stream_buffer_groups=args.stream_buffer,
         dynamic_sampling=args.dynamic_sampling,
         max_sampling_rounds=args.max_sampling_rounds,
+        max_engine_restarts=args.max_engine_restarts,
         steps=args.steps,
         prompts_per_step=args.prompts_per_step,
         samples_per_prompt=args.samples_per_prompt,
