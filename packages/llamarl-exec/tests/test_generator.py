@@ -115,3 +115,34 @@ def test_sampling_ignores_the_model_generation_defaults(tiny_model_dir, tmp_path
     batch = gen.generate([[1, 5, 9]], samples_per_prompt=6, max_new_tokens=6)
     distinct = {tuple(row.tolist()) for row in batch.completion_ids_BC}
     assert len(distinct) > 1
+
+
+def test_weights_loaded_between_decoding_steps_take_effect_and_stamp_every_token(tiny_model_dir):
+    """An in-flight update (stream mode): new weights loaded by `between_steps` after the 4th token.
+
+    Tokens 0-3 were drawn by version 0 and tokens 4+ by version 1, and say so; the behaviour log-probs
+    of tokens 0-3 are those of the old weights, those of later tokens are not (the new weights drew them).
+    """
+    gen = HFGenerator(HFGeneratorConfig(model=str(tiny_model_dir), temperature=0.7, seed=0, eos_token_ids=[]))
+    gen.setup()
+    old = {k: v.clone() for k, v in gen.model.state_dict().items()}
+    steps = []
+
+    def between_steps() -> None:
+        steps.append(gen.policy_version)
+        if len(steps) == 4:
+            with torch.no_grad():
+                for p in gen.model.parameters():
+                    p.mul_(1.5)  # a different policy
+            gen.policy_version = 1
+
+    batch = gen.generate(PROMPTS, samples_per_prompt=2, max_new_tokens=8, between_steps=between_steps)
+    assert batch.completion_ids_BC.shape[1] == 8  # no stop tokens: every completion runs to the limit
+    assert batch.token_version_BC.tolist() == [[0] * 4 + [1] * 4] * batch.num_sequences
+    assert batch.policy_version_B.tolist() == [0] * batch.num_sequences  # its oldest token's version
+    gen.model.load_state_dict(old)
+    recomputed = PolicyTrainer(TrainerConfig(model=str(tiny_model_dir), temperature=0.7, micro_batch_size=6))
+    recomputed.setup()
+    old_logprobs = recomputed.compute_logprobs(batch)
+    torch.testing.assert_close(batch.behavior_logprobs_BC[:, :4], old_logprobs[:, :4], atol=1e-5, rtol=1e-5)
+    assert (batch.behavior_logprobs_BC[:, 4:] - old_logprobs[:, 4:]).abs().max() > 1e-2
