@@ -371,6 +371,7 @@ class GeneratorRole:
         # while it waited to be queued (taking weights): handled again after the engine is replaced.
         retry: list[int] = []
         undelivered: tuple[RolloutBatch, dict[str, float]] | None = None
+        starved = 0  # requests in a row whose groups dynamic sampling all dropped
         while True:
             indices: list[int] = []
             try:
@@ -385,10 +386,16 @@ class GeneratorRole:
                     indices, retry = retry or self.prompts.take(self.setup.prompts_per_request), []
                     if self.before_request is not None:
                         self.before_request(requests)
-                    batch, _, metrics = self._sample(indices, between_steps if in_flight else None)
+                    batch, dropped, metrics = self._sample(indices, between_steps if in_flight else None)
                     requests += 1
                     if batch is None:  # every group filtered by dynamic sampling
-                        continue
+                        starved += 1
+                        if starved < self.setup.max_sampling_rounds:
+                            continue
+                        # As in lock step: after max_sampling_rounds requests without a single group
+                        # with a signal, send flat groups rather than starve the trainer.
+                        batch = concat_rollouts(dropped)
+                    starved = 0
                     undelivered = (batch, {**metrics, **self.metrics()})
                 # Time blocked here on a full trainer buffer counts as idle.
                 outbox.put(*undelivered, while_waiting=take_new_weights)
