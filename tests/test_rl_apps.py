@@ -363,7 +363,7 @@ def test_stream_run_replaces_a_killed_vllm_engine_while_the_trainer_keeps_its_st
     assert all(questions.count(q) == 2 for q in questions)
     # The new engine got the trainer's weights (not the checkpoint) and served the final policy.
     log = (out / "logs" / "vllm_engine.rank1.log").read_text()
-    before, marker, after = log.partition("restarting the vLLM engine")
+    _before, marker, after = log.partition("restarting the vLLM engine")
     assert marker, log[-3000:]
     served_after = [int(v) for v in re.findall(r"serves policy_version (\d+)", after)]
     assert served_after and served_after[-1] == 3, log[-3000:]

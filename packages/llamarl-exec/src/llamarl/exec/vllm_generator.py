@@ -39,7 +39,6 @@ import json
 import os
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -545,8 +544,10 @@ class VLLMGenerator:
                     called = time.monotonic()
                     between_steps()
                     deadline += time.monotonic() - called
-        except BaseException:
-            if self._generate_reply is None and not isinstance(sys.exc_info()[1], EngineLost):
+        except BaseException as exc:
+            # Abandoned (between_steps raised, a deadline passed): the engine's requests must not run on
+            # into the next call, nor its late reply be read as the next call's. A lost engine has none.
+            if self._generate_reply is None and not isinstance(exc, EngineLost):
                 self._abort_generate()
             raise
         finally:
@@ -557,7 +558,7 @@ class VLLMGenerator:
             raise EngineError(f"the vLLM engine failed in generate:\n{value}")
         return value
 
-    def _abort_generate(self, timeout_s: float = 120.0) -> None:
+    def _abort_generate(self, timeout_s: float = 30.0) -> None:
         """Has the engine abort the generate in flight and reads both replies (the abort's, the
         generate's), so that the connection is in step for the next call. An engine that does not
         answer within timeout_s is killed: the next call reports it as an `EngineLost`."""

@@ -42,7 +42,7 @@ class GenerateAborted(Exception):
 
 
 class CloseRequested(Exception):
-    """ "close" arrived while a generate was in flight: its requests are aborted, then the process ends."""
+    """A "close" arrived while a generate was in flight: its requests are aborted, then the process ends."""
 
 
 class Engine:
