@@ -149,8 +149,12 @@ class Engine:
         added: list[str] = []
         self._in_flight = True
         try:
-            for rid, prompt in zip(request_ids, prompts, strict=True):
-                engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), params)
+            raw = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+            # Rendered as LLM.generate renders them (vLLM 0.32 deprecates handing raw prompts to the
+            # engine); raw where an LLM lacks that private step.
+            render = getattr(self.llm, "_preprocess_cmpl", None)
+            for rid, prompt in zip(request_ids, raw if render is None else render(raw), strict=True):
+                engine.add_request(rid, prompt, params)
                 added.append(rid)
             while engine.has_unfinished_requests():
                 version_before = self._version
