@@ -17,7 +17,9 @@ Two real processes (`llamarl.comm.testing.run_distributed`, gloo): rank 0 is the
    log_softmax(logits / T) under version 1 within 1e-3 (the prefix-cache reset deferred to the end of
    the first generate happened: the same prompts would otherwise reuse KV of the old weights);
 5. a `between_steps` that raises abandons the call (the engine aborts its requests) and the next call
-   is answered normally.
+   is answered normally;
+6. a sync that fails in flight (never sent: its wait times out) fails the generate (an `EngineError`,
+   requests aborted), and the generator then refuses to sample (`WeightsNotSyncedError`).
 
 Skipped only when no vLLM environment exists (failed instead under LLAMARL_REQUIRE_VLLM=1, as in CI).
 """
@@ -36,6 +38,7 @@ ENGINE_TIMEOUT_S = 240.0  # engine start and requests (a loaded 2-core machine)
 SAMPLES_PER_PROMPT = 4
 MAX_NEW_TOKENS = 160  # long enough that the sync lands while the completions run
 ANNOUNCE_AFTER_S = 1.5  # into the long generate: every completion has sampled some tokens by then
+FAILED_SYNC_WAIT_S = 3.0  # a sync the trainer never sends times out after this long
 FILE_WAIT_S = 400.0  # a rank waiting for the other's step (they include engine starts)
 
 
@@ -111,6 +114,7 @@ def _trainer(rdv, model_dir: str) -> dict:
         (trainer.compute_logprobs(after) - after.behavior_logprobs_BC)[mask].abs().max()
     )
     out["held"] = sender.held_versions()
+    _touch(rdv, "held_read")  # the generator's failed sync below must not race this read
     _wait_for(rdv, "generator_done")  # rank 0 hosts the store: stay until the generator side is done
     sender.close()
     group.close()
@@ -139,7 +143,8 @@ class _Abandon(Exception):
 
 def _generator_rank(rdv, model_dir: str, vllm_python: str) -> dict:
     from llamarl.control.executors import open_weight_receiver
-    from llamarl.exec import VLLMGenerator, VLLMGeneratorConfig
+    from llamarl.exec import VLLMGenerator, VLLMGeneratorConfig, WeightsNotSyncedError
+    from llamarl.exec.vllm_generator import EngineError
 
     prompts = _prompts(model_dir)
     gen = VLLMGenerator(
@@ -208,6 +213,34 @@ def _generator_rank(rdv, model_dir: str, vllm_python: str) -> dict:
         out["after_abandon_versions"] = sorted(
             set(short.token_version_BC[short.completion_mask_BC == 1].tolist())
         )
+
+        # A sync that fails in flight (the trainer sends nothing: the announcement wait times out)
+        # fails the generate, whose requests are aborted: tokens sampled on would come from partly
+        # replaced weights. The generator then holds no policy until a sync succeeds.
+        _wait_for(rdv, "held_read")
+
+        def take_weights_never_sent() -> None:
+            gen.receive_weights(timeout_s=FAILED_SYNC_WAIT_S)
+
+        start = time.monotonic()
+        try:
+            gen.generate(
+                prompts,
+                samples_per_prompt=4,
+                max_new_tokens=MAX_NEW_TOKENS,
+                between_steps=take_weights_never_sent,
+            )
+            out["failed_sync_error"] = None
+        except EngineError as exc:
+            out["failed_sync_error"] = str(exc)
+        out["failed_sync_s"] = time.monotonic() - start
+        out["version_after_failed_sync"] = gen.policy_version
+        out["engine_version_after_failed_sync"] = gen.engine_policy_version()
+        try:
+            gen.generate(prompts, samples_per_prompt=1, max_new_tokens=8)
+            out["refused_after_failed_sync"] = False
+        except WeightsNotSyncedError:
+            out["refused_after_failed_sync"] = True
         receiver.close()
     finally:
         gen.close()
@@ -267,11 +300,19 @@ def test_a_weight_sync_lands_in_flight_and_tokens_carry_their_versions():
 
     assert generator["abandoned"]
     assert generator["after_abandon_versions"] == [1]
+
+    error = generator["failed_sync_error"]
+    assert error is not None and "receive_weights" in error, error
+    assert generator["failed_sync_s"] < ENGINE_TIMEOUT_S / 2, generator["failed_sync_s"]
+    assert generator["version_after_failed_sync"] is None
+    assert generator["engine_version_after_failed_sync"] is None
+    assert generator["refused_after_failed_sync"]
     print(
         f"sync taken {generator['taken_at_s']:.2f} s into a {generator['generate_s']:.1f} s generate "
         f"({generator['between_steps_calls']} between_steps calls, send {trainer['send_s']:.2f} s); "
         f"{num_mixed}/{batch.num_sequences} completions mixed; log-prob diffs: v0 tokens "
         f"{trainer['max_diff_v0_tokens']:.2e}, first v1 tokens vs v0 "
         f"{trainer['mean_diff_first_v1_tokens']:.2e}, "
-        f"next generate {trainer['max_diff_after']:.2e}; abandoned call took {generator['abandon_s']:.2f} s"
+        f"next generate {trainer['max_diff_after']:.2e}; abandoned call took {generator['abandon_s']:.2f} s, "
+        f"failed in-flight sync ended its call after {generator['failed_sync_s']:.2f} s"
     )
