@@ -141,6 +141,35 @@ def test_vllm_logprobs_match_trainer_before_and_after_a_weight_sync(generator, t
     assert diff < 1e-3, diff
 
 
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_requests_made_during_a_generate_are_answered_between_engine_steps(generator, prompts):
+    """A `between_steps` that queries the engine on every call: the engine answers between its steps,
+    the batch is whole and stamped with the version served. When the generate's own reply arrives
+    while such a query is outstanding (it crosses the query), the query still gets its answer and the
+    generate its batch."""
+    answers: list[int | None] = []
+    crossed = 0
+
+    def between_steps() -> None:
+        nonlocal crossed
+        answers.append(generator.engine_policy_version())
+        crossed += generator._generate_reply is not None  # the generate's reply came first
+
+    for _ in range(4):
+        batch = generator.generate(
+            prompts, samples_per_prompt=2, max_new_tokens=MAX_NEW_TOKENS, between_steps=between_steps
+        )
+        _check_batch(batch, prompts, 2, generator.eos_token_ids)
+        mask = batch.completion_mask_BC == 1
+        assert (batch.token_version_BC[mask] == generator.policy_version).all()
+        assert (batch.token_version_BC[~mask] == 0).all()
+        assert (batch.policy_version_B == generator.policy_version).all()
+        assert generator.last_metrics["in_flight_updates"] == 0
+    assert answers and set(answers) == {generator.policy_version}, answers
+    print(f"{len(answers)} queries during 4 generates; {crossed} crossed the generate's reply")
+
+
 def test_a_missing_vllm_environment_is_a_clear_error(tmp_path, monkeypatch):
     with pytest.raises(VLLMEnvironmentError, match="not an executable"):
         find_vllm_python(str(tmp_path / "no-python"))

@@ -15,6 +15,12 @@ trainer's weight-sync group (llamarl.comm's vLLM worker extension) as this rank,
 `receive_weights` has it receive the trainer's tensors directly (DDMA), load them with vLLM's own
 loaders and reset the prefix cache.
 
+In-flight updates (stream mode): the engine steps its requests itself and, between two steps, answers
+a `receive_weights` sent while a `generate` waits (from its `between_steps`). The requests stay in
+flight with their KV cache from the old weights (partial rollouts, as in PipelineRL / AReaL), later
+tokens are sampled by the new weights, every token is stamped with the version that sampled it
+(`token_version_BC`), and the prefix-cache reset waits until the generate's requests are done.
+
 An engine that dies (crash, out of memory, kill -9) is an `EngineLost`; `restart_engine()` starts a new
 one in its place, which rejoins the weight-sync group under the same rank (llamarl.comm's rejoin: the
 trainer's next send fails naming this rank, the send after that re-forms the group and delivers the
@@ -35,6 +41,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -47,6 +54,9 @@ from llamarl.exec.types import RolloutBatch
 from llamarl.exec.vllm_env import engine_env, find_vllm_python
 
 _SERVER = Path(__file__).resolve().with_name("vllm_server.py")
+
+#: How often `generate` calls its `between_steps` while it waits for the engine (seconds).
+BETWEEN_STEPS_S = 0.05
 
 
 @dataclass(kw_only=True)
@@ -109,6 +119,10 @@ class VLLMGenerator:
         last_metrics: timings and counts of the latest `generate` call.
     """
 
+    # `generate` takes `between_steps`: stream mode loads new weights into the engine between its steps,
+    # with the requests in flight (partial rollouts).
+    supports_in_flight_updates = True
+
     def __init__(self, config: VLLMGeneratorConfig) -> None:
         if config.temperature <= 0:
             raise ValueError(f"temperature must be positive, got {config.temperature}")
@@ -122,6 +136,9 @@ class VLLMGenerator:
         self._log_path: Path | None = None
         self._temporary_log = False  # the log is ours to delete after a clean close
         self._num_calls = 0
+        # Set while a generate waits for the engine; a reply to it that a nested call reads is kept here.
+        self._generating = False
+        self._generate_reply: tuple[str, Any] | None = None
         # The weight-sync group this generator joined (connect_weight_sync's arguments): a restarted
         # engine rejoins it under the same rank.
         self._weight_sync: dict[str, Any] | None = None
@@ -173,7 +190,7 @@ class VLLMGenerator:
             )
         theirs.close()
         self._conn = Connection(ours.detach())
-        status, info = self._receive(cfg.start_timeout_s, what="the engine to start")
+        status, info = self._receive(cfg.start_timeout_s, what="the engine to start")[:2]
         if status != "ready":
             self._kill()
             raise EngineError(f"the vLLM engine failed to start:\n{info}")
@@ -248,21 +265,29 @@ class VLLMGenerator:
     # ----------------------------------------------------------------------------------------------
     # requests
 
-    def _receive(self, timeout_s: float, *, what: str) -> tuple[str, Any]:
+    def _receive(self, timeout_s: float, *, what: str) -> tuple[Any, ...]:
         """The engine's next message, waiting at most timeout_s; fails fast if the engine dies."""
-        assert self._conn is not None and self._proc is not None
         deadline = time.monotonic() + timeout_s
-        while not self._conn.poll(min(1.0, max(0.0, deadline - time.monotonic()))):
+        while True:
+            message = self._next_message(min(1.0, max(0.0, deadline - time.monotonic())), what=what)
+            if message is not None:
+                return message
+            if time.monotonic() >= deadline:
+                raise EngineError(
+                    f"timed out after {timeout_s:.0f} s waiting for {what}:\n{self._log_tail()}"
+                )
+
+    def _next_message(self, wait_s: float, *, what: str) -> tuple[Any, ...] | None:
+        """The engine's next message if one comes within wait_s, else None; EngineLost if it is gone."""
+        assert self._conn is not None and self._proc is not None
+        if not self._conn.poll(wait_s):
             if self._proc.poll() is not None:
                 raise EngineLost(
                     f"the vLLM engine exited (code {self._proc.returncode}) while waiting for {what}; "
                     f"its log ends:\n{self._log_tail()}",
                     exit_code=self._proc.returncode,
                 )
-            if time.monotonic() >= deadline:
-                raise EngineError(
-                    f"timed out after {timeout_s:.0f} s waiting for {what}:\n{self._log_tail()}"
-                )
+            return None
         try:
             return self._conn.recv()
         except (EOFError, OSError):  # EOF, or a reset connection: the engine is gone or going
@@ -282,15 +307,38 @@ class VLLMGenerator:
             exit_code=exit_code,
         )
 
-    def _call(self, method: str, *, deadline_s: float | None = None, **kwargs: Any) -> Any:
-        """Runs `method(**kwargs)` in the engine; waits at most deadline_s (default: config.timeout_s)."""
+    def _send(self, method: str, kwargs: dict[str, Any]) -> None:
         if self._conn is None:
             raise RuntimeError("VLLMGenerator used before setup() or after close()")
         try:
             self._conn.send((method, kwargs))
         except OSError:  # broken pipe: the engine died while idle
             raise self._lost(f"was gone when {method} was sent") from None
-        status, value = self._receive(deadline_s or self.config.timeout_s, what=method)
+
+    def _reply_to(self, method: str, timeout_s: float) -> tuple[str, Any]:
+        """(status, value) of the engine's reply to `method`, waiting at most timeout_s in all.
+
+        A request made during a generate (a nested call, from `between_steps`) may see the generate's
+        own reply first (the engine finished just as the request was sent): it is kept for `generate`.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            status, value, replied_to = self._receive(max(0.0, deadline - time.monotonic()), what=method)
+            if replied_to == method:
+                return status, value
+            if replied_to == "generate" and self._generate_reply is None and self._generating:
+                self._generate_reply = (status, value)
+                continue
+            raise EngineError(f"the vLLM engine answered {replied_to!r} while {method!r} was awaited")
+
+    def _call(self, method: str, *, deadline_s: float | None = None, **kwargs: Any) -> Any:
+        """Runs `method(**kwargs)` in the engine; waits at most deadline_s (default: config.timeout_s).
+
+        May be called during a generate (from its `between_steps`): the engine answers "receive_weights"
+        and "weight_version" between two of its steps.
+        """
+        self._send(method, kwargs)
+        status, value = self._reply_to(method, deadline_s or self.config.timeout_s)
         if status != "ok":
             raise EngineError(f"the vLLM engine failed in {method}:\n{value}")
         return value
@@ -358,6 +406,7 @@ class VLLMGenerator:
         samples_per_prompt: int,
         max_new_tokens: int,
         greedy: bool = False,
+        between_steps: Callable[[], None] | None = None,
     ) -> RolloutBatch:
         """Samples `samples_per_prompt` completions of every prompt in one engine call.
 
@@ -366,9 +415,16 @@ class VLLMGenerator:
             samples_per_prompt: completions per prompt; they are contiguous in the batch.
             max_new_tokens: completion length limit (a completion that hits it has no EOS).
             greedy: argmax decoding for evaluation (log-probs then under softmax(z), see the module doc).
+            between_steps: called about every BETWEEN_STEPS_S while the engine samples. It may take new
+                weights in flight (`receive_weights`, directly or through the controller's receiver):
+                the engine loads them between two of its steps, the requests keep their KV cache and
+                later tokens come from the new weights. It may raise to abandon the call (the engine's
+                requests are aborted first). Time spent in it does not count against timeout_s: its
+                calls have deadlines of their own.
 
         Returns:
-            RolloutBatch with rewards zeros and policy_version_B the version the engine reports.
+            RolloutBatch with rewards zeros, token_version_BC the version that sampled each token and
+            policy_version_B the version of each sequence's first token.
 
         Raises:
             EngineLost: the engine died (before or during the call); `restart_engine()` replaces it.
@@ -384,24 +440,27 @@ class VLLMGenerator:
                 "receive_weights() first"
             )
         start = time.perf_counter()
+        version_at_start = self.policy_version
         # A fresh request seed per call (seeded runs stay reproducible, calls do not repeat each other).
         seed = None if self.config.seed is None else self.config.seed * 100_003 + self._num_calls
         self._num_calls += 1
-        reply = self._call(
-            "generate",
-            prompts=[list(map(int, p)) for p in prompts],
-            n=samples_per_prompt,
-            max_tokens=max_new_tokens,
-            temperature=0.0 if greedy else self.config.temperature,
-            stop_token_ids=self.eos_token_ids,
-            seed=seed,
+        reply = self._generate(
+            dict(
+                prompts=[list(map(int, p)) for p in prompts],
+                n=samples_per_prompt,
+                max_tokens=max_new_tokens,
+                temperature=0.0 if greedy else self.config.temperature,
+                stop_token_ids=self.eos_token_ids,
+                seed=seed,
+            ),
+            between_steps,
         )
         if reply["policy_version"] != self.policy_version:
             raise EngineError(
                 f"the engine serves policy_version {reply['policy_version']}, the generator expects "
                 f"{self.policy_version}"
             )
-        token_ids, logprobs = reply["token_ids"], reply["logprobs"]
+        token_ids, logprobs, versions = reply["token_ids"], reply["logprobs"], reply["token_versions"]
         num_sequences = len(prompts) * samples_per_prompt
         assert len(token_ids) == num_sequences, (len(token_ids), num_sequences)
         prompt_ids_BP, prompt_mask_BP = _left_pad(
@@ -410,23 +469,34 @@ class VLLMGenerator:
         length = max(len(t) for t in token_ids)
         completion_ids_BC = torch.full((num_sequences, length), self.pad_token_id, dtype=torch.int64)
         behavior_logprobs_BC = torch.zeros((num_sequences, length), dtype=torch.float32)
-        for i, (ids, lps) in enumerate(zip(token_ids, logprobs, strict=True)):
+        token_version_BC = torch.zeros((num_sequences, length), dtype=torch.int64)
+        for i, (ids, lps, vs) in enumerate(zip(token_ids, logprobs, versions, strict=True)):
             completion_ids_BC[i, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
             behavior_logprobs_BC[i, : len(lps)] = torch.tensor(lps, dtype=torch.float32)
+            # The engine stamps a token None only if sampled after a failed sync, and then fails the
+            # call instead of returning it.
+            token_version_BC[i, : len(vs)] = torch.tensor(vs, dtype=torch.int64)
         # vLLM stops at the first EOS and keeps it; the mask also stops at the first EOS, so a padding
         # id equal to EOS (SmolLM2) is never mistaken for a sampled token.
         lengths_B = torch.tensor([len(t) for t in token_ids])
         completion_mask_BC = (torch.arange(length)[None, :] < lengths_B[:, None]).long()
         completion_mask_BC &= _completion_mask(completion_ids_BC, self.eos_token_ids)
         behavior_logprobs_BC = behavior_logprobs_BC.masked_fill(completion_mask_BC == 0, 0.0)
+        token_version_BC = token_version_BC * completion_mask_BC
+        # The version of each sequence's first token (an empty completion: the version at the start).
+        policy_version_B = torch.tensor(
+            [vs[0] if vs else version_at_start for vs in versions], dtype=torch.int64
+        )
 
         elapsed = time.perf_counter() - start
         num_tokens = int(completion_mask_BC.sum())
+        num_updates = max((len(a) for a in reply["version_arrivals"]), default=0)
         self.last_metrics = {
             "generate_s": elapsed,
             "num_sequences": float(num_sequences),
             "num_completion_tokens": float(num_tokens),
             "tokens_per_s": num_tokens / elapsed if elapsed > 0 else float("nan"),
+            "in_flight_updates": float(num_updates),
         }
         return RolloutBatch(
             prompt_ids_BP=prompt_ids_BP,
@@ -435,9 +505,80 @@ class VLLMGenerator:
             completion_mask_BC=completion_mask_BC,
             behavior_logprobs_BC=behavior_logprobs_BC,
             rewards_B=torch.zeros(num_sequences, dtype=torch.float32),
-            policy_version_B=torch.full((num_sequences,), reply["policy_version"], dtype=torch.int64),
+            policy_version_B=policy_version_B,
+            token_version_BC=token_version_BC,
             group_size=samples_per_prompt,
         )
+
+    def _generate(self, request: dict[str, Any], between_steps: Callable[[], None] | None) -> dict[str, Any]:
+        """Sends one generate request and waits for its reply, calling `between_steps` meanwhile.
+
+        The wait is bounded by config.timeout_s of engine time: the time spent inside `between_steps`
+        (a weight sync waiting for the trainer, with a deadline of its own) extends it.
+        """
+        if self._generating:
+            raise RuntimeError("VLLMGenerator.generate called from inside a generate (between_steps)")
+        self._send("generate", request)
+        self._generating, self._generate_reply = True, None
+        try:
+            deadline = time.monotonic() + self.config.timeout_s
+            while self._generate_reply is None:
+                wait_s = BETWEEN_STEPS_S if between_steps is not None else 1.0
+                message = self._next_message(
+                    min(wait_s, max(0.0, deadline - time.monotonic())), what="generate"
+                )
+                if message is not None:
+                    status, value, replied_to = message
+                    if replied_to != "generate":
+                        raise EngineError(
+                            f"the vLLM engine answered {replied_to!r} while generate was awaited"
+                        )
+                    self._generate_reply = (status, value)
+                    break
+                if time.monotonic() >= deadline:
+                    raise EngineError(
+                        f"timed out after {self.config.timeout_s:.0f} s waiting for generate:\n"
+                        f"{self._log_tail()}"
+                    )
+                if between_steps is not None:
+                    called = time.monotonic()
+                    between_steps()
+                    deadline += time.monotonic() - called
+        except BaseException as exc:
+            # Abandoned (between_steps raised, a deadline passed): the engine's requests must not run on
+            # into the next call, nor its late reply be read as the next call's. A lost engine has none.
+            if self._generate_reply is None and not isinstance(exc, EngineLost):
+                self._abort_generate()
+            raise
+        finally:
+            self._generating = False
+        status, value = self._generate_reply
+        self._generate_reply = None
+        if status != "ok":
+            raise EngineError(f"the vLLM engine failed in generate:\n{value}")
+        return value
+
+    def _abort_generate(self, timeout_s: float = 30.0) -> None:
+        """Has the engine abort the generate in flight and reads both replies (the abort's, the
+        generate's), so that the connection is in step for the next call. An engine that does not
+        answer within timeout_s is killed: the next call reports it as an `EngineLost`."""
+        try:
+            self._send("abort", {})
+            deadline = time.monotonic() + timeout_s
+            abort_answered = False
+            while not (abort_answered and self._generate_reply is not None):
+                status, value, replied_to = self._receive(max(0.0, deadline - time.monotonic()), what="abort")
+                if replied_to == "abort":
+                    abort_answered = True
+                elif replied_to == "generate":
+                    self._generate_reply = (status, value)
+                else:
+                    raise EngineError(f"the vLLM engine answered {replied_to!r} while abort was awaited")
+        except EngineLost:
+            pass  # the next call reports it
+        except EngineError:
+            if self._proc is not None and self._proc.poll() is None:
+                self._proc.kill()
 
 
 def _special_tokens(model_dir: Path) -> tuple[list[int], int]:

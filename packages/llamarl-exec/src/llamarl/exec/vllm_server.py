@@ -2,9 +2,15 @@
 
 Started by the generator (`python -P vllm_server.py --fd N ...`) with one end of a socket pair; it builds
 a `vllm.LLM` with llamarl's weight-sync worker extension, sends ("ready", info), then answers requests
-`(method, kwargs)` with `("ok", value)` or `("error", traceback text)` until "close" or until the parent
-goes away (end of file on the socket). It imports only the standard library, vLLM and `llamarl.comm`: it
-runs under the vLLM environment's torch, never the workspace's, and is run as a file, not imported.
+`(method, kwargs)` with `("ok", value, method)` or `("error", traceback text, method)` until "close" or
+until the parent goes away (end of file on the socket). It imports only the standard library, vLLM and
+`llamarl.comm`: it runs under the vLLM environment's torch, never the workspace's, and is run as a file,
+not imported.
+
+In-flight requests: `generate` steps the engine itself and, between two engine steps, answers the few
+requests that may arrive while it runs (`NESTED_METHODS`: a weight sync, a version query, an abort).
+Replies name their request because a nested request's reply and the generate's own reply can cross
+(the generate may finish just as the client sends a sync); the client sorts them by that name.
 
 Why a process of its own and not vLLM's own server: the weights reach the engine straight from the
 trainer over llamarl.comm (the worker extension joins the weight-sync group), and the few calls needed
@@ -26,10 +32,23 @@ def log(msg: str) -> None:
     print(f"[vllm engine {os.getpid()} {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+# Requests the engine answers while a generate is in flight (between two engine steps); any other is an
+# error there. "close" ends the generate (its requests aborted) and then the process.
+NESTED_METHODS = ("receive_weights", "weight_version", "abort", "close")
+
+
+class GenerateAborted(Exception):
+    """The client abandoned the generate in flight ("abort" between two engine steps, or it went away)."""
+
+
+class CloseRequested(Exception):
+    """A "close" arrived while a generate was in flight: its requests are aborted, then the process ends."""
+
+
 class Engine:
     """The requests the generator sends, each a method of this class."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, conn: Connection) -> None:
         import torch
         from vllm import LLM
 
@@ -37,6 +56,7 @@ class Engine:
 
         torch.set_num_threads(args.num_threads)
         start = time.monotonic()
+        self.conn = conn
         self.llm = LLM(
             model=args.model,
             worker_extension_cls=WORKER_EXTENSION_CLS,
@@ -48,12 +68,24 @@ class Engine:
             # Log-probs of the distribution actually sampled, log softmax(z / T): what AIPO divides by.
             # The default, raw_logprobs, is taken before temperature.
             logprobs_mode="processed_logprobs",
+            # One engine step = one model step whose outputs step() returns: the per-token policy
+            # versions below stamp a step's tokens with the weights loaded when it ran. (The CPU platform
+            # turns async scheduling off anyway; said here because the stamping relies on it.)
+            async_scheduling=False,
         )
         self.info = {
             "vllm": __import__("vllm").__version__,
             "torch": torch.__version__,
             "start_s": time.monotonic() - start,
         }
+        self._num_generates = 0
+        # Set while generate steps the engine: a weight sync then runs with requests in flight.
+        self._in_flight = False
+        # The policy_version loaded now (None after a failed sync): what stamps each sampled token.
+        self._version: int | None = self.weight_version()
+        # A sync taken with requests in flight owes a prefix-cache reset: vLLM refuses one while requests
+        # run, so it runs once they are done (end of generate).
+        self._reset_owed_for: int | None = None
 
     def generate(
         self,
@@ -64,13 +96,27 @@ class Engine:
         stop_token_ids: list[int],
         seed: int | None,
     ) -> dict[str, Any]:
-        """Samples `n` completions per prompt; returns token ids and the sampled tokens' log-probs.
+        """Samples `n` completions per prompt; returns token ids, the sampled tokens' log-probs and the
+        policy_version that sampled each token.
 
         temperature 0 is greedy. Every other sampling knob is set to its neutral value explicitly: the
         tokens must come from softmax(z / T) alone, which the log-probs describe.
+
+        The engine is stepped here (`LLMEngine.add_request` + `step()`, what `LLM.generate` does inside)
+        so that between two steps a nested request can be answered: a weight sync is loaded while the
+        requests stay in flight, their KV cache from the old weights kept (partial rollouts, as in
+        PipelineRL / AReaL), and later tokens come from the new weights.
+
+        Returns:
+            token_ids, logprobs, token_versions: one list per completion (len(prompts) * n, the samples
+                of one prompt contiguous), each as long as the completion.
+            version_arrivals: per completion, [(tokens it had, version)] for each version that arrived
+                while it was in flight.
+            policy_version: the version served at the end.
         """
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
 
         params = SamplingParams(
             n=n,
@@ -86,30 +132,132 @@ class Engine:
             stop_token_ids=stop_token_ids,
             logprobs=0,  # only the sampled token's log-prob
             seed=seed,
+            # Each step's new tokens, not the whole completion so far: each gets the version that drew it.
+            output_kind=RequestOutputKind.DELTA,
         )
-        outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
-        )
-        token_ids, logprobs = [], []
-        for request in outputs:
-            for completion in sorted(request.outputs, key=lambda c: c.index):
-                ids = list(completion.token_ids)
-                token_ids.append(ids)
-                logprobs.append([step[t].logprob for step, t in zip(completion.logprobs, ids, strict=True)])
-        return {"token_ids": token_ids, "logprobs": logprobs, "policy_version": self.weight_version()}
+        engine = self.llm.llm_engine
+        call = self._num_generates
+        self._num_generates += 1
+        request_ids = [f"llamarl-{call}-{i}" for i in range(len(prompts))]
+        slot = {rid: i for i, rid in enumerate(request_ids)}
+        num = len(prompts) * n
+        token_ids: list[list[int]] = [[] for _ in range(num)]
+        logprobs: list[list[float]] = [[] for _ in range(num)]
+        versions: list[list[int | None]] = [[] for _ in range(num)]
+        arrivals: list[list[tuple[int, int | None]]] = [[] for _ in range(num)]
+        finished = [False] * num
+        added: list[str] = []
+        self._in_flight = True
+        try:
+            raw = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+            # Rendered as LLM.generate renders them (vLLM 0.32 deprecates handing raw prompts to the
+            # engine); raw where an LLM lacks that private step.
+            render = getattr(self.llm, "_preprocess_cmpl", None)
+            for rid, prompt in zip(request_ids, raw if render is None else render(raw), strict=True):
+                engine.add_request(rid, prompt, params)
+                added.append(rid)
+            while engine.has_unfinished_requests():
+                version_before = self._version
+                self._serve_nested()  # may load new weights (and raise GenerateAborted)
+                if self._version != version_before:
+                    for row in range(num):
+                        if not finished[row]:
+                            arrivals[row].append((len(token_ids[row]), self._version))
+                version = self._version  # the weights this step's forward pass runs with
+                for output in engine.step():
+                    for completion in output.outputs:
+                        row = slot[output.request_id] * n + completion.index
+                        ids = list(completion.token_ids)
+                        token_ids[row] += ids
+                        logprobs[row] += [
+                            step[t].logprob for step, t in zip(completion.logprobs, ids, strict=True)
+                        ]
+                        versions[row] += [version] * len(ids)
+                        finished[row] = finished[row] or completion.finished()
+            added = []  # every request finished: nothing to abort
+        finally:
+            self._in_flight = False
+            if added:  # aborted or failed half way: the requests must not run into the next call
+                engine.abort_request(added)
+            self._reset_owed_prefix_cache()
+        if not all(finished):
+            raise RuntimeError(f"the engine ran out of requests with completions unfinished: {finished}")
+        return {
+            "token_ids": token_ids,
+            "logprobs": logprobs,
+            "token_versions": versions,
+            "version_arrivals": arrivals,
+            "policy_version": self.weight_version(),
+        }
+
+    def _serve_nested(self) -> None:
+        """Answers every request waiting on the connection (between two engine steps, never blocking)."""
+        while self.conn.poll():
+            try:
+                method, kwargs = self.conn.recv()
+            except EOFError:  # the generator went away mid-generate: nothing left to serve
+                raise GenerateAborted("the generator closed its connection") from None
+            if method == "abort":
+                self.conn.send(("ok", None, method))
+                raise GenerateAborted("aborted by the generator")
+            if method == "close":
+                raise CloseRequested
+            if method not in NESTED_METHODS:
+                self.conn.send(("error", f"{method} is not allowed while a generate is in flight", method))
+                continue
+            try:
+                reply = ("ok", getattr(self, method)(**kwargs), method)
+            except BaseException:
+                reply = ("error", traceback.format_exc(), method)
+            self.conn.send(reply)
+            if method == "receive_weights" and reply[0] == "error":
+                # The weights may be partly replaced: tokens sampled on would come from no policy at all.
+                raise RuntimeError(
+                    "the weight sync taken during this generate failed; its requests were aborted"
+                )
+
+    def abort(self) -> None:
+        """Abandons a generate in flight; outside one (it finished first) there is nothing to do."""
+        return None
 
     def init_weight_sync(self, **kwargs: Any) -> int:
         return int(self.llm.collective_rpc("init_weight_sync", kwargs=kwargs)[0])
 
     def receive_weights(self, timeout_s: float | None) -> int:
-        """One sync from the trainer into every worker, then the prefix cache reset (checked)."""
+        """One sync from the trainer into every worker, then the prefix cache reset (checked).
+
+        During a generate the reset is owed instead (vLLM refuses it while requests run) and made when
+        the generate ends; the requests in flight keep their KV cache from the old weights.
+        """
         from llamarl.comm.adapters.vllm import sync_weights
 
         start = time.monotonic()
-        received = sync_weights(self.llm, timeout_s=timeout_s)
+        self._version = None  # until the workers report the new weights loaded
+        if self._in_flight:
+            versions = self.llm.collective_rpc("receive_weights", kwargs={"timeout_s": timeout_s})
+            if len(set(versions)) != 1:
+                raise RuntimeError(f"engine workers received different policy versions: {versions}")
+            received = int(versions[0])
+            self._reset_owed_for = received
+        else:
+            received = sync_weights(self.llm, timeout_s=timeout_s)  # raises when the reset is refused
+        self._version = received
         # The workers' own report, in the log for people and for the app test.
-        log(f"serves policy_version {self.weight_version()} ({time.monotonic() - start:.2f} s)")
+        in_flight = " (requests in flight)" if self._in_flight else ""
+        log(f"serves policy_version {self.weight_version()}{in_flight} ({time.monotonic() - start:.2f} s)")
         return received
+
+    def _reset_owed_prefix_cache(self) -> None:
+        """The prefix-cache reset a sync during generate deferred; raises if vLLM refuses it."""
+        if self._reset_owed_for is None:
+            return
+        version, self._reset_owed_for = self._reset_owed_for, None
+        # Nothing runs now, so a refusal means stale KV would be served: fail the call, as sync_weights does.
+        if self.llm.reset_prefix_cache() is False:
+            raise RuntimeError(
+                f"vLLM refused to reset its prefix cache after loading policy_version {version} during a "
+                "generate: its cached KV was computed with the old weights"
+            )
 
     def weight_version(self) -> int | None:
         versions = set(self.llm.collective_rpc("weight_version"))
@@ -154,7 +302,7 @@ def main() -> None:
     conn = Connection(args.fd)
     exit_with_parent()
     try:
-        engine = Engine(args)
+        engine = Engine(args, conn)
     except BaseException:
         conn.send(("error", traceback.format_exc()))
         raise
@@ -166,12 +314,15 @@ def main() -> None:
         except EOFError:  # the generator went away: nothing left to serve
             return
         if method == "close":
-            conn.send(("ok", None))
+            conn.send(("ok", None, method))
             return
         try:
-            reply = ("ok", getattr(engine, method)(**kwargs))
+            reply = ("ok", getattr(engine, method)(**kwargs), method)
+        except CloseRequested:  # during a generate: its requests are aborted, nobody waits for its reply
+            conn.send(("ok", None, "close"))
+            return
         except BaseException:
-            reply = ("error", traceback.format_exc())
+            reply = ("error", traceback.format_exc(), method)
         conn.send(reply)
 
 
