@@ -33,7 +33,7 @@ from llamarl.comm import WeightSyncError
 from llamarl.control.buffer import BufferClosed, RolloutBuffer
 from llamarl.control.channels import GENERATOR_TOTALS, concat_rollouts
 from llamarl.control.timeline import Timeline
-from llamarl.exec import EngineLost
+from llamarl.exec import EngineError, EngineLost
 from llamarl.exec.types import Generator, Rewarder, RolloutBatch, Trainer
 
 
@@ -355,7 +355,9 @@ class GeneratorRole:
             self._syncs_taken = announced
             try:
                 self.receive_weights()
-            except WeightSyncError as e:  # another generator's engine died during it: ask again
+            except EngineLost:
+                raise  # this generator's own engine died: replaced by the request loop
+            except (WeightSyncError, EngineError) as e:  # another engine died during it: ask again
                 if not self.replace_engines:
                     raise
                 print(f"generator: weight sync failed ({e}); asking for the weights again", file=sys.stderr)
@@ -406,6 +408,12 @@ class GeneratorRole:
                 self._replace_engine(e, control)
                 if undelivered is None:
                     retry = indices  # nothing of that request reached the trainer: sample it again
+            except EngineError:
+                # A sync that failed in flight aborts the request (take_new_weights already asked for
+                # the weights again); anything else is an engine fault that ends the run.
+                if not (self.replace_engines and self.policy_version < 0 and undelivered is None):
+                    raise
+                retry = indices
         take_new_weights()  # the final weights are announced before the stop
         outbox.close(self.metrics())
         return requests
