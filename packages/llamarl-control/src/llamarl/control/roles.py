@@ -355,6 +355,9 @@ class GeneratorRole:
             self._syncs_taken = announced
             try:
                 self.receive_weights()
+                # A rejoining engine's receive skips syncs formed before it existed and gets the next
+                # one: whatever was announced up to now is taken.
+                self._syncs_taken = max(self._syncs_taken, control.announced())
             except EngineLost:
                 raise  # this generator's own engine died: replaced by the request loop
             except (WeightSyncError, EngineError) as e:  # another engine died during it: ask again
@@ -428,13 +431,15 @@ class GeneratorRole:
         start = time.perf_counter()
         restart()
         self.totals["engine_restarts_total"] += 1
-        # Syncs announced so far were for the dead engine; the new one joins the next (a sync in
-        # flight while it rejoined fails on the trainer's side and is answered again below).
-        self._syncs_taken = control.announced()
-        if self._syncs_taken == 0:
+        announced = control.announced()
+        if announced == 0:
             self.generator.policy_version = 0  # no weights were ever sent: the checkpoint is current
-        else:
-            control.want_weights()  # taken by take_new_weights() once the trainer sends them again
+            return
+        # The new engine joins the latest announced sync: the trainer may be waiting in it for this
+        # rank right now. If that sync is over, the engine's receive waits for the next one, which
+        # the trainer sends when asked (a sync it would have sent anyway costs one extra transfer).
+        self._syncs_taken = announced - 1
+        control.want_weights()
         seconds = time.perf_counter() - start
         print(f"generator: engine restarted in {seconds:.1f} s", file=sys.stderr, flush=True)
 
