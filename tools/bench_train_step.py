@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -79,29 +80,33 @@ def _config(model: str, layout: str, args) -> TrainerConfig:
 
 def _time_steps(
     trainer: PolicyTrainer, batch: RolloutBatch, repeats: int, warmup: bool, barrier=None
-) -> float:
+) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process, all its threads) per step. On a shared machine the
+    CPU time is the steadier figure: it leaves out the time spent waiting for a core."""
     if warmup:
         trainer.train_step(batch)  # allocator, optimizer state, FSDP2 lazy init
     if barrier:
         barrier()
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     for _ in range(repeats):
         trainer.train_step(batch)
     if barrier:
         barrier()
-    return (time.perf_counter() - start) / repeats
+    return (time.perf_counter() - start) / repeats, (time.process_time() - start_cpu) / repeats
 
 
-def _two_rank_case(rank: int, world_size: int, rdv, model: str, layout: str, batch, args) -> float:
+def _two_rank_case(
+    rank: int, world_size: int, rdv, model: str, layout: str, batch, args
+) -> tuple[float, float]:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=rdv.init_method, rank=rank, world_size=world_size)
     trainer = PolicyTrainer(_config(model, layout, args), group=dist.group.WORLD)
     trainer.setup()
     part = batch.data_parallel_part(rank, world_size)
-    seconds = _time_steps(trainer, part, args.repeats, args.warmup, dist.barrier)
+    times = _time_steps(trainer, part, args.repeats, args.warmup, dist.barrier)
     trainer.close()
-    return seconds
+    return times
 
 
 def main() -> None:
@@ -145,14 +150,15 @@ def main() -> None:
     results = []
     for ranks in args.ranks:
         for layout in args.layouts:
+            load_before = os.getloadavg()[0]
             if ranks == 1:
                 torch.set_num_threads(args.threads)
                 trainer = PolicyTrainer(_config(model, layout, args))
                 trainer.setup()
-                seconds = _time_steps(trainer, batch, args.repeats, args.warmup)
+                seconds, cpu_seconds = _time_steps(trainer, batch, args.repeats, args.warmup)
                 trainer.close()
-            else:
-                seconds = run_distributed(
+            else:  # (CPU seconds: rank 0's process)
+                seconds, cpu_seconds = run_distributed(
                     _two_rank_case, 2, model, layout, batch, args, timeout_s=3600, fresh=True
                 )[0]
             results.append(
@@ -160,19 +166,27 @@ def main() -> None:
                     "layout": layout,
                     "ranks": ranks,
                     "step_s": seconds,
+                    "cpu_s": cpu_seconds,
                     "completion_tokens_per_s": completion / seconds,
                     "real_tokens_per_s": real / seconds,
+                    "load_1min": [load_before, os.getloadavg()[0]],  # before, after (shared machine)
                 }
             )
             print(json.dumps(results[-1]), flush=True)
     base = next((r["step_s"] for r in results if r["layout"] == "padded" and r["ranks"] == 1), None)
-    print("\n| layout | trainer ranks | s/step | completion tok/s | real tok/s | speed-up vs padded 1 rank |")
-    print("|---|---|---|---|---|---|")
+    base_cpu = next((r["cpu_s"] for r in results if r["layout"] == "padded" and r["ranks"] == 1), None)
+    print(
+        "\n| layout | trainer ranks | s/step | completion tok/s | real tok/s | speed-up vs padded 1 rank "
+        "| CPU s/step | CPU speed-up | load avg 1 min (before, after) |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         speedup = f"{base / r['step_s']:.2f}x" if base else "-"
+        cpu_speedup = f"{base_cpu / r['cpu_s']:.2f}x" if base_cpu else "-"
         print(
             f"| {r['layout']} | {r['ranks']} | {r['step_s']:.1f} | {r['completion_tokens_per_s']:.0f} | "
-            f"{r['real_tokens_per_s']:.0f} | {speedup} |"
+            f"{r['real_tokens_per_s']:.0f} | {speedup} | {r['cpu_s']:.1f} | {cpu_speedup} | "
+            f"{r['load_1min'][0]:.1f}, {r['load_1min'][1]:.1f} |"
         )
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=2) + "\n")

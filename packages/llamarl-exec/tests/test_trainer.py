@@ -111,15 +111,28 @@ def test_prompt_sharing_falls_back_when_a_group_is_split(tiny_model_dir, batch):
     assert not trainer._can_share_prompts(batch.prompt_ids_BP[1:3], batch.prompt_mask_BP[1:3], 2)
 
 
-def test_packed_micro_batches_match_the_padded_path(tiny_model_dir, batch):
+def test_packed_micro_batches_match_the_padded_path(tiny_model_dir, batch, monkeypatch):
     """Packing the real tokens into one row per micro-batch gives the padded path's log-probs, loss and
-    gradients (the same function of the same tokens; only the order of float sums differs)."""
+    gradients (the same function of the same tokens; only the order of float sums differs). Packed rows
+    go through the per-segment (varlen) attention, with the micro-batch's segment lengths."""
+    from llamarl.exec import varlen_attention
+
     lengths = batch.completion_mask_BC.sum(1)
     assert lengths.min() < lengths.max(), "the rollout should have uneven completion lengths"
     padded = _trainer(tiny_model_dir, micro_batch_size=2, share_prompts=False)
     packed = _trainer(tiny_model_dir, pack_tokens=24)  # a few sequences per row, several rows
+    assert packed.model.config._attn_implementation == varlen_attention.VARLEN_ATTENTION
+    assert padded.model.config._attn_implementation != varlen_attention.VARLEN_ATTENTION
     rows = packed._micro_batch_rows(batch)
     assert len(rows) > 1 and any(r.stop - r.start > 1 for r in rows)  # several rows, some packed
+    segments = []
+    row_attention = varlen_attention._row_attention
+
+    def spy(*args, **kwargs):
+        segments.append(len(args[3]))
+        return row_attention(*args, **kwargs)
+
+    monkeypatch.setattr(varlen_attention, "_row_attention", spy)
     torch.testing.assert_close(
         packed.compute_logprobs(batch), padded.compute_logprobs(batch), rtol=1e-5, atol=1e-5
     )
@@ -131,6 +144,9 @@ def test_packed_micro_batches_match_the_padded_path(tiny_model_dir, batch):
         packed.model.named_parameters(), padded.model.parameters(), strict=True
     ):
         torch.testing.assert_close(p_packed.grad, p_padded.grad, rtol=1e-4, atol=1e-6, msg=name)
+    # Every layer of every packed row attended per sequence (2 forward passes: log-probs, gradients).
+    num_layers = packed.model.config.num_hidden_layers
+    assert segments == [r.stop - r.start for r in rows for _ in range(num_layers)] * 2
 
 
 def test_token_budget_keeps_order_and_isolates_long_sequences():

@@ -5,10 +5,12 @@ Shape legend:
     T  real tokens of the micro-batch (prompts + completions, no padding), K  completion tokens in it
 
 Each sequence is its real prompt tokens followed by its real completion tokens; the sequences are laid
-end to end in one row of T tokens and the position ids restart at 0 at each one. Given no attention
-mask, transformers reads the restarts as sequence boundaries and masks attention block-diagonally (each
-sequence sees only itself), so every token is computed as in its own padded row, and no layer spends
-any work on padding. The LM head runs only at the K positions that predict a completion token.
+end to end in one row of T tokens and the position ids restart at 0 at each one. Attention must stay
+within each sequence: the trainer runs the model with `llamarl.exec.varlen_attention`, which attends
+per segment (`PackedRow.segment_lengths`) with causal SDPA. (Plain transformers, given no attention
+mask and no cache, reads the restarts as boundaries too, but through a dense block-diagonal [T, T]
+mask.) So every token is computed as in its own padded row, and no layer spends any work on padding
+or across sequences. The LM head runs only at the K positions that predict a completion token.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class PackedRow:
     position_ids_1T: torch.Tensor  # int64 [1, T], 0.. per sequence
     predict_index_K: torch.Tensor  # int64 [K]: positions whose logits predict the completion tokens
     target_ids_1K: torch.Tensor  # int64 [1, K]: those completion tokens, in row-major (sequence) order
+    segment_lengths: tuple[int, ...]  # real tokens of each packed sequence, in order (sum T)
 
 
 def sequence_lengths(prompt_mask_BP: torch.Tensor, completion_mask_BC: torch.Tensor) -> list[int]:
@@ -93,7 +96,7 @@ def pack(
     """
     prompt_mask = prompt_mask_MP.bool()
     completion_mask = completion_mask_MC.bool()
-    ids, positions, predict, targets = [], [], [], []
+    ids, positions, predict, targets, lengths = [], [], [], [], []
     offset = 0
     for i in range(prompt_ids_MP.shape[0]):
         prompt = prompt_ids_MP[i][prompt_mask[i]]
@@ -104,12 +107,14 @@ def pack(
         # Position p predicts token p + 1: positions P-1 .. P+C-2 predict the completion tokens.
         predict.append(torch.arange(num_completion) + offset + num_prompt - 1)
         targets.append(completion)
+        lengths.append(num_prompt + num_completion)
         offset += num_prompt + num_completion
     return PackedRow(
         input_ids_1T=torch.cat(ids).unsqueeze(0),
         position_ids_1T=torch.cat(positions).unsqueeze(0),
         predict_index_K=torch.cat(predict),
         target_ids_1K=torch.cat(targets).unsqueeze(0),
+        segment_lengths=tuple(lengths),
     )
 
 

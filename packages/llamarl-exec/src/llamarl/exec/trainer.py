@@ -42,7 +42,7 @@ from llamarl.algo import (
     kl_penalty_loss,
     token_logprobs,
 )
-from llamarl.exec import packing
+from llamarl.exec import packing, varlen_attention
 from llamarl.exec.models import load_model_and_tokenizer, resolve_dtype
 from llamarl.exec.parallel import all_reduce_max, all_reduce_min, all_reduce_sum, full_tensor, shard_model
 from llamarl.exec.schedules import LR_SCHEDULES, lr_factor
@@ -139,6 +139,7 @@ class PolicyTrainer:
         if cfg.gradient_checkpointing and not self.is_sharded:  # (under FSDP2: see shard_model)
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False  # no KV cache in training forward passes
+        self._use_varlen_attention(model)
         model.train()
         self.model = self._wrap_model(model)
         if cfg.kl_coef > 0:
@@ -147,6 +148,7 @@ class PolicyTrainer:
             )
             ref.requires_grad_(False)
             ref.config.use_cache = False
+            self._use_varlen_attention(ref)
             ref.eval()
             # Sharded like the policy; it never trains and is never synced, so its root reshards
             # after every forward instead of holding its weights gathered for a backward pass.
@@ -164,6 +166,14 @@ class PolicyTrainer:
                 step, schedule=cfg.lr_schedule, warmup_steps=cfg.warmup_steps, total_steps=cfg.total_steps
             ),
         )
+
+    def _use_varlen_attention(self, model: torch.nn.Module) -> None:
+        """Packed rows: attention per packed sequence (`llamarl.exec.varlen_attention`), never a dense
+        block-diagonal [T, T] mask, which on the CPU is quadratic in the packed length and sends SDPA to
+        its slow masked path. Set before FSDP2 wraps the model (the setting lives in its config)."""
+        if self.config.pack_tokens:
+            varlen_attention.register()
+            model.set_attn_implementation(varlen_attention.VARLEN_ATTENTION)
 
     def close(self) -> None:
         """Drops the models and optimizer state."""
@@ -386,12 +396,14 @@ class PolicyTrainer:
         row = packing.pack(
             prompt_ids_MP, prompt_mask_MP, completion_ids_MC[:, :length], completion_mask_MC.cpu()
         )
-        # No attention mask: transformers reads the position-id restarts as sequence boundaries.
+        # No attention mask: the varlen attention (see setup) attends within each packed sequence, from
+        # lengths computed here once for all layers (Python ints: no device sync per layer).
         logits_1KV = model(
             input_ids=row.input_ids_1T.to(device),
             position_ids=row.position_ids_1T.to(device),
             use_cache=False,
             logits_to_keep=row.predict_index_K.to(device),
+            segment_lengths=row.segment_lengths,
         ).logits
         logprobs_1K = token_logprobs(
             logits_1KV,

@@ -1,0 +1,130 @@
+"""Per-segment attention of packed rows (llamarl.exec.varlen_attention) against padded rows, on a tiny
+real transformers Llama (grouped-query attention: 4 query heads, 2 key/value heads)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AttentionInterface
+
+from llamarl.exec import varlen_attention
+from llamarl.exec.models import tiny_model
+from llamarl.exec.varlen_attention import VARLEN_ATTENTION, lengths_from_positions
+
+LENGTHS = [7, 19, 3, 12]  # four sequences of different lengths in one packed row (T = 41)
+
+
+@pytest.fixture
+def model():
+    varlen_attention.register()
+    return tiny_model(vocab_size=96, num_hidden_layers=3, seed=1)
+
+
+@pytest.fixture
+def sequences() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(3, 96, (n,), generator=g) for n in LENGTHS]
+
+
+def _target_logprobs(logits_NV: torch.Tensor, ids_N: torch.Tensor) -> torch.Tensor:
+    """log p(token t+1 | ..t) over one sequence: [N - 1]."""
+    return logits_NV[:-1].log_softmax(-1).gather(-1, ids_N[1:, None]).squeeze(-1)
+
+
+def _padded_logprobs(model, sequences: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The reference: one right-padded row per sequence, transformers' SDPA under a padding mask."""
+    model.set_attn_implementation("sdpa")
+    width = max(LENGTHS)
+    ids = torch.zeros(len(sequences), width, dtype=torch.long)
+    mask = torch.zeros(len(sequences), width, dtype=torch.long)
+    for i, seq in enumerate(sequences):
+        ids[i, : len(seq)] = seq
+        mask[i, : len(seq)] = 1
+    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    return [_target_logprobs(logits[i, : len(s)], s) for i, s in enumerate(sequences)]
+
+
+def _packed_logprobs(model, sequences: list[torch.Tensor], **forward_kwargs) -> list[torch.Tensor]:
+    """The trainer's path: one packed row, position ids restarting per sequence, varlen attention."""
+    model.set_attn_implementation(VARLEN_ATTENTION)
+    ids = torch.cat(sequences)[None]
+    positions = torch.cat([torch.arange(len(s)) for s in sequences])[None]
+    logits = model(input_ids=ids, position_ids=positions, use_cache=False, **forward_kwargs).logits[0]
+    return [_target_logprobs(chunk, s) for chunk, s in zip(logits.split(LENGTHS), sequences, strict=True)]
+
+
+def _grads(model, logprobs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Gradients of a loss that weighs every token differently (so a wrong token shows up)."""
+    model.zero_grad()
+    flat = torch.cat(logprobs)
+    (flat * torch.linspace(-1.0, 2.0, len(flat))).sum().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("pass_lengths", [True, False], ids=["segment_lengths", "from_position_ids"])
+def test_packed_varlen_matches_padded_logprobs_and_gradients(model, sequences, pass_lengths):
+    padded = _padded_logprobs(model, sequences)
+    padded_grads = _grads(model, padded)
+    kwargs = {"segment_lengths": LENGTHS} if pass_lengths else {}
+    packed = _packed_logprobs(model, sequences, **kwargs)
+    packed_grads = _grads(model, packed)
+    for p, q in zip(packed, padded, strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5)
+    for name, grad in padded_grads.items():
+        torch.testing.assert_close(packed_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_packed_row_builds_no_mask_and_attends_per_segment(model, sequences, monkeypatch):
+    """Every layer gets no attention mask (no [T, T] mask built) and splits the row at the segments."""
+    seen = []
+    row_attention = varlen_attention._row_attention
+
+    def spy(query_HTD, key_HTD, value_HTD, lengths, **kwargs):
+        seen.append(list(lengths))
+        return row_attention(query_HTD, key_HTD, value_HTD, lengths, **kwargs)
+
+    forward = varlen_attention.varlen_attention_forward
+
+    def no_mask(module, query, key, value, attention_mask, *args, **kwargs):
+        assert attention_mask is None
+        return forward(module, query, key, value, attention_mask, *args, **kwargs)
+
+    monkeypatch.setattr(varlen_attention, "_row_attention", spy)
+    monkeypatch.setitem(AttentionInterface._global_mapping, VARLEN_ATTENTION, no_mask)
+    _packed_logprobs(model, sequences, segment_lengths=LENGTHS)
+    assert seen == [LENGTHS] * model.config.num_hidden_layers
+
+
+def test_a_segment_boundary_changes_the_result(model, sequences):
+    """The comparison above can fail: one attention span over the whole row (no boundaries) gives other
+    log-probs from the second sequence on."""
+    right = _packed_logprobs(model, sequences, segment_lengths=LENGTHS)
+    wrong = _packed_logprobs(model, sequences, segment_lengths=[sum(LENGTHS)])
+    torch.testing.assert_close(wrong[0], right[0], rtol=1e-5, atol=1e-5)  # the first sees only itself
+    assert all((w - r).abs().max() > 1e-3 for w, r in zip(wrong[1:], right[1:], strict=True))
+
+
+def test_padded_rows_under_varlen_fall_back_to_sdpa(model, sequences):
+    """The same model still computes padded rows (with a padding mask) exactly as SDPA does."""
+    padded = _padded_logprobs(model, sequences)
+    model.set_attn_implementation(VARLEN_ATTENTION)
+    width = max(LENGTHS)
+    ids = torch.zeros(len(sequences), width, dtype=torch.long)
+    mask = torch.zeros(len(sequences), width, dtype=torch.long)
+    for i, seq in enumerate(sequences):
+        ids[i, : len(seq)] = seq
+        mask[i, : len(seq)] = 1
+    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    for i, s in enumerate(sequences):
+        torch.testing.assert_close(_target_logprobs(logits[i, : len(s)], s), padded[i], rtol=0, atol=0)
+
+
+def test_lengths_from_positions():
+    assert lengths_from_positions(torch.tensor([0, 1, 2, 0, 1, 0, 0, 1, 2, 3])) == [3, 2, 1, 4]
+    assert lengths_from_positions(torch.tensor([[5, 6, 7]])) == [3]  # one row, not starting at 0
+    assert lengths_from_positions(torch.tensor([], dtype=torch.long)) == []
+
+
+def test_segment_lengths_must_cover_the_row(model, sequences):
+    with pytest.raises(ValueError, match="sum to"):
+        _packed_logprobs(model, sequences, segment_lengths=LENGTHS[:-1])
