@@ -18,7 +18,7 @@ from llamarl.exec.types import RolloutBatch
 # trainer takes their differences per step (llamarl.control.roles.GeneratorStats).
 GENERATOR_TOTALS = (
     "generate_s_total",  # seconds spent in generate calls
-    "busy_s_total",  # seconds generating, scoring and taking weights (the rest is idle)
+    "busy_s_total",  # seconds generating and scoring (the rest is idle: waiting, taking weights)
     "alive_s_total",  # seconds since the generator role started
     "groups_total",  # groups sampled
     "filtered_total",  # groups dropped by dynamic sampling (all rewards equal)

@@ -231,7 +231,6 @@ class GeneratorRole:
         self.totals = dict.fromkeys(GENERATOR_TOTALS, 0.0)
         self._born = time.perf_counter()
         self.tick = -1  # the tick (lock step) or request number (stream) being worked on
-        self._generating = False  # inside a generate call (weights taken now are in flight)
 
     @property
     def policy_version(self) -> int:
@@ -241,12 +240,10 @@ class GeneratorRole:
 
     def receive_weights(self) -> int:
         """Takes the weights the trainer sends now; returns their version."""
-        start = time.perf_counter()
+        # Not counted as busy: in lock step most of a receive is waiting for the trainer to finish.
         with self.timeline.phase("weight_sync", self.tick):
             version = self._receive()
         self.generator.policy_version = version
-        if not self._generating:  # an in-flight update's time is already in the generate call's
-            self.totals["busy_s_total"] += time.perf_counter() - start
         return version
 
     def make_batch(self, tick: int) -> tuple[RolloutBatch, dict[str, float]]:
@@ -285,17 +282,13 @@ class GeneratorRole:
         G = self.setup.temperature_samples
         start = time.perf_counter()
         extra = {"between_steps": between_steps} if between_steps is not None else {}
-        self._generating = True
-        try:
-            with self.timeline.phase("generate", self.tick):
-                batch = self.generator.generate(
-                    [self._encode(i) for i in indices],
-                    samples_per_prompt=G,
-                    max_new_tokens=self.setup.max_new_tokens,
-                    **extra,
-                )
-        finally:
-            self._generating = False
+        with self.timeline.phase("generate", self.tick):
+            batch = self.generator.generate(
+                [self._encode(i) for i in indices],
+                samples_per_prompt=G,
+                max_new_tokens=self.setup.max_new_tokens,
+                **extra,
+            )
         generate_s = time.perf_counter() - start
         texts = self._decode(batch)
         references = [self._reference(i) for i in indices for _ in range(G)]
