@@ -64,7 +64,7 @@ def build_parser(task: str) -> argparse.ArgumentParser:
         default=defaults.mode,
         help="async: generation and training overlap in lock step, one policy version apart (the "
         "paper's); sync: one after the other; stream: generators never wait, the trainer takes the "
-        "freshest groups from a bounded buffer (default: %(default)s)",
+        "oldest groups within --max-policy-lag from a bounded buffer (default: %(default)s)",
     )
     p.add_argument(
         "--max-policy-lag",
@@ -171,6 +171,12 @@ def build_parser(task: str) -> argparse.ArgumentParser:
     p.add_argument(
         "--timeout", type=float, default=defaults.timeout_s, help="deadline (s) of any wait on a peer"
     )
+    p.add_argument(
+        "--weight-sync-timeout",
+        type=float,
+        default=defaults.weight_sync_timeout_s,
+        help="deadline (s) of each step of a weight sync (capped by --timeout; default: %(default)s)",
+    )
     p.add_argument("--wandb-project", default=defaults.wandb_project)
     p.add_argument("--no-wandb", action="store_true", help="do not log to Weights & Biases")
     p.add_argument("--no-save-model", action="store_true", help="do not write OUTPUT_DIR/final_model")
@@ -263,6 +269,7 @@ def config_from_args(task: str, args: argparse.Namespace, model: str) -> RunConf
         device=args.device,
         threads_per_rank=args.threads_per_rank,
         timeout_s=args.timeout,
+        weight_sync_timeout_s=args.weight_sync_timeout,
         wandb_project=args.wandb_project,
         wandb=not args.no_wandb,
         save_model=not args.no_save_model,

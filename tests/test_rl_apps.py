@@ -139,7 +139,8 @@ def test_dynamic_sampling_drops_groups_with_equal_rewards(tiny_model_dir, gsm8k_
     assert result.returncode == 0, result.stderr[-4000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["sampled_groups"] == 2 * 3 * 2  # steps x rounds x prompts per step
-    assert summary["filtered_groups"] == summary["sampled_groups"]
+    # Two flat groups per step top the batch up and are trained on; the rest count as filtered.
+    assert summary["filtered_groups"] == summary["sampled_groups"] - 2 * 2
     # Every round read new prompts: 12 different questions were sampled.
     assert len({r["question"] for r in read_samples(out)}) == 12
 
@@ -166,7 +167,8 @@ def test_math_app_offline_on_embedded_data_with_two_streaming_generators_and_a_l
     assert summary["mode"] == "stream" and summary["policy_lag_max"] <= 1
     # The untrained model's groups all have equal rewards: dynamic sampling drops them, and after
     # --max-sampling-rounds requests without signal a generator sends flat groups rather than starve.
-    assert summary["filtered_groups"] >= 3 * 2 and summary["filtered_groups"] == summary["sampled_groups"]
+    # (3 of every 4 requests filtered with the default --max-sampling-rounds 4, the 4th sent flat).
+    assert summary["filtered_groups"] > summary["sampled_groups"] / 2
     first_step = read_step_metrics(out)[0]
     assert "train/clipped_fraction" in first_step  # DAPO's metric: the loss picked by name was used
     assert {p.name for p in out.glob("samples.rank*.jsonl")} == {"samples.rank1.jsonl", "samples.rank2.jsonl"}
@@ -361,6 +363,8 @@ def test_stream_run_replaces_a_killed_vllm_engine_while_the_trainer_keeps_its_st
     result = run_app(
         "gsm8k_rl", *common_args(small_model_dir, gsm8k_dir, out), "--generator", "vllm",
         "--vllm-python", python, "--no-wandb", "--mode", "stream", "--max-new-tokens", "48",
+        # A sync caught in the engine's death fails within this deadline and is sent again on request.
+        "--weight-sync-timeout", "30",
         env={"LLAMARL_FAULT": "1:1:engine"}, timeout=560,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-6000:]

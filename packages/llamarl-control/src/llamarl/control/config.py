@@ -25,7 +25,8 @@ class RunConfig:
 
     # The schedule.
     # async: generate and train at once in lock step (lag 1); sync: in sequence (lag 0); stream:
-    # generators never wait for the trainer, which trains on the freshest groups of a bounded buffer
+    # generators never wait for the trainer, which trains on the oldest groups of a bounded buffer that
+    # are within max_policy_lag
     mode: Literal["async", "sync", "stream"] = "async"
     steps: int = 4  # optimizer steps (each one policy_version)
     prompts_per_step: int = 4  # prompts per training batch, split evenly across generators
@@ -74,6 +75,9 @@ class RunConfig:
     threads_per_rank: int | None = None  # CPU threads per rank; default splits the cores across ranks
     weight_bucket_mb: int = 64  # bucket size of the trainer -> generator weight transfer
     timeout_s: float = 600.0  # deadline for any wait on another process
+    # Deadline of each step of a weight sync (forming the group, every bucket; capped by timeout_s): a
+    # generator that died in the middle of a sync fails it within this long, not after timeout_s.
+    weight_sync_timeout_s: float = 120.0
 
     # Outputs.
     wandb_project: str = "llamarl"  # W&B project; offline unless WANDB_API_KEY is set
@@ -86,6 +90,10 @@ class RunConfig:
     keep_checkpoints: int = 2  # complete checkpoints kept (older ones are deleted)
     resume: bool = False  # continue from the latest complete checkpoint in output_dir (fresh start if none)
     max_restarts: int = 0  # torch elastic restarts of all ranks after a failure; each resumes by itself
+
+    @property
+    def sync_deadline_s(self) -> float:
+        return min(self.weight_sync_timeout_s, self.timeout_s)
 
     @property
     def buffer_groups(self) -> int:
@@ -145,8 +153,8 @@ class RunConfig:
         ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be 0 or more, got {getattr(self, name)}")
-        if self.lr <= 0 or self.timeout_s <= 0 or self.reward_timeout_s <= 0:
-            raise ConfigError("lr, timeout_s and reward_timeout_s must be positive")
+        if min(self.lr, self.timeout_s, self.reward_timeout_s, self.weight_sync_timeout_s) <= 0:
+            raise ConfigError("lr, timeout_s, weight_sync_timeout_s and reward_timeout_s must be positive")
         if self.prompts_per_step % self.num_generators:
             raise ConfigError(
                 f"prompts_per_step ({self.prompts_per_step}) must be a multiple of num_generators "

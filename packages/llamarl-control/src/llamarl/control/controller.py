@@ -11,7 +11,7 @@ they hand over between ranks, and runs them on a schedule:
   overlaps generation and training on their own ranks, one policy version apart; sync runs them one
   after the other: the synchronous baseline on the same work).
 - `stream`: generators sample back to back and send groups to a bounded `RolloutBuffer` on the first
-  trainer rank; the trainer trains on the freshest groups (dropping those older than max_policy_lag)
+  trainer rank; the trainer trains on the oldest groups still within max_policy_lag (dropping older)
   and announces new weights, which HF generators take between decoding steps (in flight) and vLLM
   generators between requests.
 
@@ -145,7 +145,7 @@ class Controller:
             port=int(port.item()),
             rank=self.rank,
             world_size=self.world_size,
-            timeout_s=cfg.timeout_s,
+            timeout_s=cfg.sync_deadline_s,  # each step of a sync; waiting for one to start is timeout_s
         )
         saved = self._setup_checkpoints()
         samples_path = self.output_dir / f"samples.rank{self.rank}.jsonl"
@@ -172,7 +172,9 @@ class Controller:
             )
         if not self.is_trainer:
             # A vLLM generator's engine joins in this rank's place and receives straight from the trainer.
-            self.receiver = open_weight_receiver(self.generator, **group_args, src_rank=TRAINER_RANK)
+            self.receiver = open_weight_receiver(
+                self.generator, **group_args, src_rank=TRAINER_RANK, announce_timeout_s=cfg.timeout_s
+            )
             if cfg.resume:
                 ckpt.truncate(samples_path, saved.get("samples_bytes", {}).get(str(self.rank), 0))
             self._samples = samples_path.open("a", encoding="utf-8")
@@ -274,10 +276,16 @@ class Controller:
             self.trainer_role.last_sync_s = saved["last_sync_s"]
             self.logger.write(f"resumed from {self._resume.path} (policy_version {self._resume.step})")
         if not self.is_trainer:
-            self.generator_role.prompts.position = mine["prompt_position"]
+            share = self.config.prompts_per_step // self.config.num_generators
+            self.generator_role.prompts.position = mine.get("prompt_position", saved["tick"] * share)
             if mine.get("pending") is not None:
                 tensors, group_size, metrics = mine["pending"]
                 self._pending = (RolloutBatch(group_size=group_size, **tensors), metrics)
+            # The generator's cumulative counters continue from the checkpoint (the trainer takes
+            # their differences per step).
+            self.generator_role.restore_totals(mine.get("generator_totals"))
+        if self.is_logger:
+            self.trainer_role.generator_stats.restore(saved.get("generator_stats"))
         ckpt.restore_rng(mine["rng"])  # last: nothing above may draw from the restored streams
 
     def _new_trainer_group(self) -> dist.ProcessGroup:
@@ -315,6 +323,9 @@ class Controller:
         loop_start = self._loop_clock()
         if cfg.mode == "stream":
             self._run_stream()
+            # Every rank is out of the stream now: one plain sync makes sure every generator serves the
+            # final policy for evaluation, even one whose last in-stream sync failed.
+            self._sync_weights()
         else:
             for tick in lockstep_ticks(cfg.mode, cfg.steps, self._start_tick):
                 self._run_tick(tick)
@@ -421,7 +432,8 @@ class Controller:
     # stream ---------------------------------------------------------------------------------------
 
     def _run_stream(self) -> None:
-        """Stream mode: generators sample continuously; the trainer takes the freshest groups."""
+        """Stream mode: generators sample continuously; the trainer takes the oldest groups still
+        within max_policy_lag (first in, first out: no group waits forever)."""
         cfg = self.config
         control = StreamControl(dist.distributed_c10d._get_default_store())
         if not self.is_trainer:
@@ -525,6 +537,7 @@ class Controller:
                 "step_records": self._step_records,
                 "eval_history": [asdict(e) for e in self._eval_history],
                 "last_sync_s": self.trainer_role.last_sync_s,
+                "generator_stats": self.trainer_role.generator_stats.state(),
                 "wandb_id": self.logger.wandb_id,
                 "metrics_bytes": self.logger.jsonl_bytes(),
                 "samples_bytes": self._gather_samples_bytes(),
@@ -533,6 +546,7 @@ class Controller:
             self._gather_samples_bytes()
         if not self.is_trainer:
             rank_state["prompt_position"] = self.generator_role.prompts.position
+            rank_state["generator_totals"] = self.generator_role.metrics()
             if self._pending is not None:
                 batch, metrics = self._pending
                 rank_state["pending"] = (batch.tensors(), batch.group_size, metrics)
@@ -661,7 +675,11 @@ class Controller:
         if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
             return  # the restarted run must get past the point where the first attempt failed
         if phase == "request":  # the engine dies in the middle of this request; the rank lives on
-            pid = self.generator.engine_pid
+            pid = getattr(self.generator, "engine_pid", None)
+            if pid is None:
+                raise ValueError(
+                    f"{FAULT_ENV}: the engine fault needs a generator with an engine (--generator vllm)"
+                )
             threading.Timer(0.5, os.kill, args=(pid, signal.SIGKILL)).start()
             self._fault = None
             return

@@ -141,12 +141,13 @@ class _EngineReceiver:
 class _ModuleReceiver:
     """The HF generator's end: this rank joins the group and writes into its model in place."""
 
-    def __init__(self, group: WeightSyncGroup, receiver: WeightReceiver) -> None:
+    def __init__(self, group: WeightSyncGroup, receiver: WeightReceiver, announce_timeout_s: float) -> None:
         self.group = group
         self.receiver = receiver
+        self.announce_timeout_s = announce_timeout_s
 
     def receive(self) -> int:
-        return self.receiver.receive()
+        return self.receiver.receive(self.announce_timeout_s)
 
     def close(self) -> None:
         self.receiver.close()
@@ -154,18 +155,34 @@ class _ModuleReceiver:
 
 
 def open_weight_receiver(
-    generator: Generator, *, host: str, port: int, rank: int, world_size: int, timeout_s: float, src_rank: int
+    generator: Generator,
+    *,
+    host: str,
+    port: int,
+    rank: int,
+    world_size: int,
+    timeout_s: float,
+    src_rank: int,
+    announce_timeout_s: float | None = None,
 ) -> PolicyReceiver:
     """Joins the trainer's weight-sync group as `rank` on behalf of `generator` (the trainer builds its
-    WeightSender at the same time)."""
+    WeightSender at the same time).
+
+    `timeout_s` bounds each step of a sync (forming the group, every bucket): a peer that died makes it
+    fail within that long. `announce_timeout_s` (default `timeout_s`) bounds the wait for the trainer to
+    start a sync, which in lock step lasts as long as a training step.
+    """
+    announce_timeout_s = timeout_s if announce_timeout_s is None else announce_timeout_s
     if isinstance(generator, VLLMGenerator):
         generator.connect_weight_sync(
             host=host, port=port, rank=rank, world_size=world_size, timeout_s=timeout_s, src_rank=src_rank
         )
-        return _EngineReceiver(generator, timeout_s)
+        return _EngineReceiver(generator, announce_timeout_s)
     group = WeightSyncGroup(host=host, port=port, rank=rank, world_size=world_size, timeout_s=timeout_s)
     try:
-        return _ModuleReceiver(group, WeightReceiver(group, generator.model, src_rank=src_rank))
+        return _ModuleReceiver(
+            group, WeightReceiver(group, generator.model, src_rank=src_rank), announce_timeout_s
+        )
     except BaseException:
         group.close()
         raise

@@ -264,8 +264,18 @@ class GeneratorRole:
             filtered += dropped
             if len(kept) >= share:
                 break
-        kept += filtered[: share - len(kept)]
+        topped_up = filtered[: share - len(kept)]
+        self.totals["filtered_total"] -= len(topped_up)  # trained on after all: not filtered
+        kept += topped_up
         return concat_rollouts(kept[:share]), {**last, **self.metrics()}
+
+    def restore_totals(self, totals: dict[str, float] | None) -> None:
+        """Continues the cumulative counters of a checkpointed run (None: nothing to restore)."""
+        if not totals:
+            return
+        for key in GENERATOR_TOTALS:
+            self.totals[key] = float(totals.get(key, 0.0))
+        self._born = time.perf_counter() - self.totals["alive_s_total"]
 
     def metrics(self) -> dict[str, float]:
         """The cumulative totals, plus the version held now."""
@@ -339,6 +349,7 @@ class GeneratorRole:
         """
         requests = 0
         self._syncs_taken = 0
+        self._rejoining = False
 
         def take_new_weights() -> None:
             announced = control.announced()
@@ -348,9 +359,11 @@ class GeneratorRole:
             self._syncs_taken = announced
             try:
                 self.receive_weights()
-                # A rejoining engine's receive skips syncs formed before it existed and gets the next
-                # one: whatever was announced up to now is taken.
-                self._syncs_taken = max(self._syncs_taken, control.announced())
+                if self._rejoining:
+                    # A rejoined engine's first receive skips syncs formed before it existed and gets
+                    # the next one: whatever was announced up to now is taken.
+                    self._rejoining = False
+                    self._syncs_taken = max(self._syncs_taken, control.announced())
             except EngineLost:
                 raise  # this generator's own engine died: replaced by the request loop
             except (WeightSyncError, EngineError) as e:  # another engine died during it: ask again
@@ -373,9 +386,9 @@ class GeneratorRole:
         while True:
             indices: list[int] = []
             try:
-                take_new_weights()
-                if control.stopped():
+                if control.stopped():  # set only once every generator took the final sync
                     break
+                take_new_weights()
                 if self.policy_version < 0:  # no usable weights until the trainer sends them again
                     time.sleep(0.05)
                     continue
@@ -393,6 +406,7 @@ class GeneratorRole:
                         # As in lock step: after max_sampling_rounds requests without a single group
                         # with a signal, send flat groups rather than starve the trainer.
                         batch = concat_rollouts(dropped)
+                        self.totals["filtered_total"] -= len(dropped)  # sent after all
                     starved = 0
                     undelivered = (batch, {**metrics, **self.metrics()})
                 # Time blocked here on a full trainer buffer counts as idle.
@@ -403,14 +417,13 @@ class GeneratorRole:
             except EngineLost as e:
                 self._replace_engine(e, control)
                 if undelivered is None:
-                    retry = indices  # nothing of that request reached the trainer: sample it again
+                    retry = indices or retry  # nothing of it reached the trainer: sample it again
             except EngineError:
                 # A sync that failed in flight aborts the request (take_new_weights already asked for
                 # the weights again); anything else is an engine fault that ends the run.
                 if not (self.replace_engines and self.policy_version < 0 and undelivered is None):
                     raise
-                retry = indices
-        take_new_weights()  # the final weights are announced before the stop
+                retry = indices or retry
         outbox.close(self.metrics())
         return requests
 
@@ -432,6 +445,7 @@ class GeneratorRole:
         # rank right now. If that sync is over, the engine's receive waits for the next one, which
         # the trainer sends when asked (a sync it would have sent anyway costs one extra transfer).
         self._syncs_taken = announced - 1
+        self._rejoining = True
         control.want_weights()
         seconds = time.perf_counter() - start
         print(f"generator: engine restarted in {seconds:.1f} s", file=sys.stderr, flush=True)
@@ -453,6 +467,17 @@ class GeneratorStats:
         self._latest: dict[int, dict[str, float]] = {}
         self._at_last_step: dict[int, dict[str, float]] = {}
         self._lock = threading.Lock()
+
+    def state(self) -> dict[str, dict[int, dict[str, float]]]:
+        """What a checkpoint keeps: the totals seen so far and at the last step, per generator."""
+        with self._lock:
+            return {"latest": dict(self._latest), "at_last_step": dict(self._at_last_step)}
+
+    def restore(self, state: dict[str, dict[int, dict[str, float]]] | None) -> None:
+        if state:
+            with self._lock:
+                self._latest = {int(g): dict(v) for g, v in state["latest"].items()}
+                self._at_last_step = {int(g): dict(v) for g, v in state["at_last_step"].items()}
 
     def update(self, generator: int, metrics: dict[str, float]) -> None:
         with self._lock:
