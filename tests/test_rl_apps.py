@@ -107,7 +107,9 @@ def test_gsm8k_app_streams_with_bounded_staleness(tiny_model_dir, gsm8k_dir, tmp
     for m in metrics:
         assert m["policy/lag"] <= 1
         assert m["staleness/lag_0_frac"] + m["staleness/lag_1_frac"] == pytest.approx(1.0)
-        assert 0.0 <= m["idle/generator_frac"] <= 1.0
+    # A step trained on groups that were already buffered has no new generator report: no idle figure.
+    generator_idle = [m["idle/generator_frac"] for m in metrics if "idle/generator_frac" in m]
+    assert generator_idle and all(0.0 <= f <= 1.0 for f in generator_idle)
     # The first step has no previous one to measure its length (and idle time) from.
     assert all(0.0 <= m["idle/trainer_frac"] <= 1.0 for m in metrics[1:])
     # The generator kept sampling while the trainer trained: more requests than steps, overlapping.
