@@ -1,10 +1,16 @@
-"""Fixtures shared by the cross-package tests: a tiny real model folder with SmolLM2's tokenizer."""
+"""Fixtures shared by the cross-package tests: a tiny real model folder with SmolLM2's tokenizer; and
+their helper module on sys.path."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
+
+# Tests run with --import-mode=importlib: make `rank_handshake` (next to this file) importable, here
+# and in the processes the two-process tests spawn (they inherit sys.path).
+sys.path.insert(0, str(Path(__file__).parent))
 
 
 def _shared_data() -> Path:

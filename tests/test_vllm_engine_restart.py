@@ -28,33 +28,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from rank_handshake import perturb, touch, wait_for
 
 TEMPERATURE = 0.7
 SYNC_TIMEOUT_S = 60.0  # every wait of the weight-sync group; the outage send must fail well before it
 ENGINE_TIMEOUT_S = 240.0  # engine start and requests (a loaded 2-core machine)
 KILL_AFTER_S = 1.5  # into the long generate call
 LOST_WITHIN_S = 15.0  # the generator reports the dead engine within this long after the kill
-FILE_WAIT_S = 400.0  # a rank waiting for the other's step (they include engine starts)
-
-
-def _touch(rdv, name: str) -> None:
-    Path(rdv.tmpdir, name).touch()
-
-
-def _wait_for(rdv, name: str, timeout_s: float = FILE_WAIT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not Path(rdv.tmpdir, name).exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the other rank never reached {name!r} ({timeout_s:.0f} s)")
-        time.sleep(0.05)
-
-
-def _perturb(model: torch.nn.Module, seed: int) -> None:
-    """New weights, as a training step would make them (different every call)."""
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(seed)
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.03 * p.abs().mean())
 
 
 def _trainer(rdv, model_dir: str) -> dict:
@@ -65,27 +45,27 @@ def _trainer(rdv, model_dir: str) -> dict:
     trainer.setup()
     initial = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     out: dict = {}
-    _wait_for(rdv, "engine_up")  # the engine's join and the sender's construction meet in the store
+    wait_for(rdv, "engine_up")  # the engine's join and the sender's construction meet in the store
     group = WeightSyncGroup(host=rdv.host, port=rdv.port, rank=0, world_size=2, timeout_s=SYNC_TIMEOUT_S)
     sender = WeightSender(group, trainer.model)
-    _perturb(trainer.model, seed=1)
+    perturb(trainer.model, seed=1)
     sender.send(1)
 
-    _wait_for(rdv, "engine_lost")
-    _perturb(trainer.model, seed=2)
+    wait_for(rdv, "engine_lost")
+    perturb(trainer.model, seed=2)
     start = time.monotonic()
     try:
         sender.send(2)
         out["outage_error"] = None
     except WeightSyncError as exc:
         out["outage_error"] = {"peer": exc.peer, "message": str(exc), "seconds": time.monotonic() - start}
-    _touch(rdv, "outage_send_over")  # only now may the engine rejoin (see test_rejoin.py for why)
+    touch(rdv, "outage_send_over")  # only now may the engine rejoin (see test_rejoin.py for why)
 
-    _perturb(trainer.model, seed=3)
-    _wait_for(rdv, "restarted")
+    perturb(trainer.model, seed=3)
+    wait_for(rdv, "restarted")
     sender.send(3)  # re-forms the group with the new engine, delivers the latest weights
 
-    _wait_for(rdv, "batch.pt")
+    wait_for(rdv, "batch.pt")
     batch = torch.load(Path(rdv.tmpdir, "batch.pt"), weights_only=False)
     mask = batch.completion_mask_BC == 1
 
@@ -96,7 +76,7 @@ def _trainer(rdv, model_dir: str) -> dict:
     trainer.model.load_state_dict(initial)  # what a restarted engine serves before any sync
     out["diff_initial"] = max_diff()
     out["held"] = sender.held_versions()
-    _wait_for(rdv, "generator_done")  # rank 0 hosts the store: stay until the generator side is done
+    wait_for(rdv, "generator_done")  # rank 0 hosts the store: stay until the generator side is done
     sender.close()
     group.close()
     return out
@@ -136,7 +116,7 @@ def _generator_rank(rdv, model_dir: str, vllm_python: str) -> dict:
     out: dict = {}
     try:
         gen.setup()
-        _touch(rdv, "engine_up")
+        touch(rdv, "engine_up")
         receiver = open_weight_receiver(
             gen, host=rdv.host, port=rdv.port, rank=1, world_size=2, timeout_s=SYNC_TIMEOUT_S, src_rank=0
         )
@@ -170,9 +150,9 @@ def _generator_rank(rdv, model_dir: str, vllm_python: str) -> dict:
             }
         timer.join()
         out["alive_after_kill"] = gen.engine_alive()
-        _touch(rdv, "engine_lost")
+        touch(rdv, "engine_lost")
 
-        _wait_for(rdv, "outage_send_over")
+        wait_for(rdv, "outage_send_over")
         start = time.monotonic()
         gen.restart_engine()
         out["restart_s"] = time.monotonic() - start
@@ -185,7 +165,7 @@ def _generator_rank(rdv, model_dir: str, vllm_python: str) -> dict:
             out["refused_unsynced"] = False
         except WeightsNotSyncedError:
             out["refused_unsynced"] = True
-        _touch(rdv, "restarted")
+        touch(rdv, "restarted")
 
         gen.policy_version = receiver.receive()  # the same receiver object, now the new engine's
         out["synced_version"] = gen.policy_version
@@ -197,7 +177,7 @@ def _generator_rank(rdv, model_dir: str, vllm_python: str) -> dict:
         receiver.close()
     finally:
         gen.close()
-        _touch(rdv, "generator_done")
+        touch(rdv, "generator_done")
     return out
 
 

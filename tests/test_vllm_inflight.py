@@ -31,6 +31,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from rank_handshake import perturb, reached, touch, wait_for
 
 TEMPERATURE = 0.7
 SYNC_TIMEOUT_S = 120.0  # every wait of the weight-sync group
@@ -39,31 +40,6 @@ SAMPLES_PER_PROMPT = 4
 MAX_NEW_TOKENS = 160  # long enough that the sync lands while the completions run
 ANNOUNCE_AFTER_S = 1.5  # into the long generate: every completion has sampled some tokens by then
 FAILED_SYNC_WAIT_S = 3.0  # a sync the trainer never sends times out after this long
-FILE_WAIT_S = 400.0  # a rank waiting for the other's step (they include engine starts)
-
-
-def _touch(rdv, name: str) -> None:
-    Path(rdv.tmpdir, name).touch()
-
-
-def _exists(rdv, name: str) -> bool:
-    return Path(rdv.tmpdir, name).exists()
-
-
-def _wait_for(rdv, name: str, timeout_s: float = FILE_WAIT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not _exists(rdv, name):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the other rank never reached {name!r} ({timeout_s:.0f} s)")
-        time.sleep(0.05)
-
-
-def _perturb(model: torch.nn.Module, seed: int) -> None:
-    """New weights, as a training step would make them."""
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(seed)
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.03 * p.abs().mean())
 
 
 def _trainer(rdv, model_dir: str) -> dict:
@@ -74,19 +50,19 @@ def _trainer(rdv, model_dir: str) -> dict:
     trainer.setup()
     initial = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     out: dict = {}
-    _wait_for(rdv, "engine_up")  # the engine's join and the sender's construction meet in the store
+    wait_for(rdv, "engine_up")  # the engine's join and the sender's construction meet in the store
     group = WeightSyncGroup(host=rdv.host, port=rdv.port, rank=0, world_size=2, timeout_s=SYNC_TIMEOUT_S)
     sender = WeightSender(group, trainer.model)
-    _perturb(trainer.model, seed=1)
+    perturb(trainer.model, seed=1)
     updated = {k: v.clone() for k, v in trainer.model.state_dict().items()}
 
-    _wait_for(rdv, "generating")  # the generator is inside its long generate
-    _touch(rdv, "announced")
+    wait_for(rdv, "generating")  # the generator is inside its long generate
+    touch(rdv, "announced")
     start = time.monotonic()
     sender.send(1)
     out["send_s"] = time.monotonic() - start
 
-    _wait_for(rdv, "mixed.pt")
+    wait_for(rdv, "mixed.pt")
     mixed = torch.load(Path(rdv.tmpdir, "mixed.pt"), weights_only=False)
     trainer.model.load_state_dict(initial)
     diff_v0 = (trainer.compute_logprobs(mixed) - mixed.behavior_logprobs_BC).abs()
@@ -102,7 +78,7 @@ def _trainer(rdv, model_dir: str) -> dict:
             firsts.append(float(diff_v0[row, versions.index(1)]))
     out["mean_diff_first_v1_tokens"] = sum(firsts) / len(firsts) if firsts else None
 
-    _wait_for(rdv, "after.pt")
+    wait_for(rdv, "after.pt")
     after = torch.load(Path(rdv.tmpdir, "after.pt"), weights_only=False)
     trainer.model.load_state_dict(updated)
     mask = after.completion_mask_BC == 1
@@ -114,8 +90,8 @@ def _trainer(rdv, model_dir: str) -> dict:
         (trainer.compute_logprobs(after) - after.behavior_logprobs_BC)[mask].abs().max()
     )
     out["held"] = sender.held_versions()
-    _touch(rdv, "held_read")  # the generator's failed sync below must not race this read
-    _wait_for(rdv, "generator_done")  # rank 0 hosts the store: stay until the generator side is done
+    touch(rdv, "held_read")  # the generator's failed sync below must not race this read
+    wait_for(rdv, "generator_done")  # rank 0 hosts the store: stay until the generator side is done
     sender.close()
     group.close()
     return out
@@ -162,7 +138,7 @@ def _generator_rank(rdv, model_dir: str, vllm_python: str) -> dict:
     out: dict = {"supports_in_flight_updates": VLLMGenerator.supports_in_flight_updates}
     try:
         gen.setup()
-        _touch(rdv, "engine_up")
+        touch(rdv, "engine_up")
         receiver = open_weight_receiver(
             gen, host=rdv.host, port=rdv.port, rank=1, world_size=2, timeout_s=SYNC_TIMEOUT_S, src_rank=0
         )
@@ -172,9 +148,9 @@ def _generator_rank(rdv, model_dir: str, vllm_python: str) -> dict:
 
         def between_steps() -> None:
             calls[0] += 1
-            if not _exists(rdv, "generating") and time.monotonic() - started > ANNOUNCE_AFTER_S:
-                _touch(rdv, "generating")
-            if not taken and _exists(rdv, "announced"):
+            if not reached(rdv, "generating") and time.monotonic() - started > ANNOUNCE_AFTER_S:
+                touch(rdv, "generating")
+            if not taken and reached(rdv, "announced"):
                 gen.policy_version = receiver.receive()  # as the controller's stream role does
                 taken.append(time.monotonic() - started)
 
@@ -217,7 +193,7 @@ def _generator_rank(rdv, model_dir: str, vllm_python: str) -> dict:
         # A sync that fails in flight (the trainer sends nothing: the announcement wait times out)
         # fails the generate, whose requests are aborted: tokens sampled on would come from partly
         # replaced weights. The generator then holds no policy until a sync succeeds.
-        _wait_for(rdv, "held_read")
+        wait_for(rdv, "held_read")
 
         def take_weights_never_sent() -> None:
             gen.receive_weights(timeout_s=FAILED_SYNC_WAIT_S)
@@ -244,7 +220,7 @@ def _generator_rank(rdv, model_dir: str, vllm_python: str) -> dict:
         receiver.close()
     finally:
         gen.close()
-        _touch(rdv, "generator_done")
+        touch(rdv, "generator_done")
     return out
 
 
