@@ -170,7 +170,7 @@ def make_roles(
             str(int(row[0])) if j % b.group_size == 0 else "0" for j, row in enumerate(b.completion_ids_BC)
         ],
         setup=GeneratorSetup(
-            temperature_samples=2,
+            samples_per_prompt=2,
             prompts_per_request=prompts_per_step,
             max_new_tokens=3,
             dynamic_sampling=dynamic_sampling,

@@ -42,20 +42,24 @@ def prompts(model_dir) -> list[list[int]]:
     return out
 
 
+def _config(model_dir: str, **overrides) -> VLLMGeneratorConfig:
+    """The engine every test here starts: SmolLM2, 2 threads, deadlines for a loaded 2-core machine."""
+    settings = dict(
+        model=model_dir,
+        vllm_python=vllm_python_for_tests(),
+        temperature=TEMPERATURE,
+        seed=0,
+        num_threads=2,
+        max_model_len=512,
+        start_timeout_s=240,
+        timeout_s=240,
+    )
+    return VLLMGeneratorConfig(**(settings | overrides))
+
+
 @pytest.fixture(scope="module")
 def generator(model_dir):
-    gen = VLLMGenerator(
-        VLLMGeneratorConfig(
-            model=model_dir,
-            vllm_python=vllm_python_for_tests(),
-            temperature=TEMPERATURE,
-            seed=0,
-            num_threads=2,
-            max_model_len=512,
-            start_timeout_s=240,
-            timeout_s=240,
-        )
-    )
+    gen = VLLMGenerator(_config(model_dir))
     gen.setup()
     yield gen
     gen.close()
@@ -261,19 +265,7 @@ def test_an_engine_killed_while_idle_is_lost_and_restarted_within_its_bound(mode
 
     from llamarl.exec.vllm_generator import EngineLost, WeightsNotSyncedError
 
-    gen = VLLMGenerator(
-        VLLMGeneratorConfig(
-            model=model_dir,
-            vllm_python=vllm_python_for_tests(),
-            temperature=TEMPERATURE,
-            seed=0,
-            num_threads=2,
-            max_model_len=512,
-            start_timeout_s=240,
-            timeout_s=240,
-            max_engine_restarts=1,
-        )
-    )
+    gen = VLLMGenerator(_config(model_dir, max_engine_restarts=1))
     try:
         gen.setup()
         old_pid = gen.engine_pid

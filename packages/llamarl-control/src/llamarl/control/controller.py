@@ -216,7 +216,7 @@ class Controller:
             question=lambda i: self.train_examples[i].question,
             decode=self._decode_completions,
             setup=GeneratorSetup(
-                temperature_samples=cfg.samples_per_prompt,
+                samples_per_prompt=cfg.samples_per_prompt,
                 prompts_per_request=share,
                 max_new_tokens=cfg.max_new_tokens,
                 dynamic_sampling=cfg.dynamic_sampling,

@@ -188,7 +188,7 @@ class RolloutOutbox:
 class GeneratorSetup:
     """What a generator role needs besides its executors."""
 
-    temperature_samples: int  # completions per prompt (the group size G)
+    samples_per_prompt: int  # completions per prompt (the group size G)
     prompts_per_request: int  # prompts per generate call (this generator's share of a step)
     max_new_tokens: int
     dynamic_sampling: bool  # drop groups whose rewards are all equal and sample more prompts
@@ -289,7 +289,7 @@ class GeneratorRole:
 
         Returns (the groups kept as one batch or None, the groups dynamic sampling dropped, metrics).
         """
-        G = self.setup.temperature_samples
+        G = self.setup.samples_per_prompt
         start = time.perf_counter()
         extra = {"between_steps": between_steps} if between_steps is not None else {}
         with self.timeline.phase("generate", self.tick):
@@ -327,7 +327,7 @@ class GeneratorRole:
     def _log_samples(self, batch: RolloutBatch, indices: list[int], texts: list[str]) -> None:
         if self.sample_log is None:
             return
-        G = self.setup.temperature_samples
+        G = self.setup.samples_per_prompt
         for j, text in enumerate(texts):
             record = {
                 "tick": self.tick,
