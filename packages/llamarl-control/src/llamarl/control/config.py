@@ -75,9 +75,11 @@ class RunConfig:
     threads_per_rank: int | None = None  # CPU threads per rank; default splits the cores across ranks
     weight_bucket_mb: int = 64  # bucket size of the trainer -> generator weight transfer
     timeout_s: float = 600.0  # deadline for any wait on another process
-    # Deadline of each step of a weight sync (forming the group, every bucket; capped by timeout_s): a
-    # generator that died in the middle of a sync fails it within this long, not after timeout_s.
-    weight_sync_timeout_s: float = 120.0
+    # Deadline of each step of a weight sync (forming the group, every bucket; capped by timeout_s).
+    # Lower it where engines may die (stream mode with vLLM): a sync caught in an engine's death then
+    # fails within this long instead of timeout_s. Not lower by default: on a loaded machine a relaying
+    # generator can take minutes to reach its next decoding step.
+    weight_sync_timeout_s: float = 600.0
 
     # Outputs.
     wandb_project: str = "llamarl"  # W&B project; offline unless WANDB_API_KEY is set
