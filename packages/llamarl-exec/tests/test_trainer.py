@@ -111,25 +111,28 @@ def test_prompt_sharing_falls_back_when_a_group_is_split(tiny_model_dir, batch):
     assert not trainer._can_share_prompts(batch.prompt_ids_BP[1:3], batch.prompt_mask_BP[1:3], 2)
 
 
-def test_packed_micro_batches_match_the_padded_path(tiny_model_dir, batch, monkeypatch):
+@pytest.mark.parametrize("share_prompts", [False, True], ids=["one_prompt_per_sample", "shared_prompts"])
+def test_packed_micro_batches_match_the_padded_path(tiny_model_dir, batch, monkeypatch, share_prompts):
     """Packing the real tokens into one row per micro-batch gives the padded path's log-probs, loss and
     gradients (the same function of the same tokens; only the order of float sums differs). Packed rows
-    go through the per-segment (varlen) attention, with the micro-batch's segment lengths."""
+    go through the per-segment (varlen) attention, with the micro-batch's segments; with shared prompts
+    a group's prompt is laid once and its samples' completions branch off it."""
     from llamarl.exec import varlen_attention
 
     lengths = batch.completion_mask_BC.sum(1)
     assert lengths.min() < lengths.max(), "the rollout should have uneven completion lengths"
     padded = _trainer(tiny_model_dir, micro_batch_size=2, share_prompts=False)
-    packed = _trainer(tiny_model_dir, pack_tokens=24)  # a few sequences per row, several rows
+    # A budget giving several rows, some with more than one sequence (a shared prompt counts once).
+    packed = _trainer(tiny_model_dir, pack_tokens=28 if share_prompts else 24, share_prompts=share_prompts)
     assert packed.model.config._attn_implementation == varlen_attention.VARLEN_ATTENTION
     assert padded.model.config._attn_implementation != varlen_attention.VARLEN_ATTENTION
     rows = packed._micro_batch_rows(batch)
     assert len(rows) > 1 and any(r.stop - r.start > 1 for r in rows)  # several rows, some packed
-    segments = []
+    laid = []  # per layer call: (segments, tokens in the row)
     row_attention = varlen_attention._row_attention
 
     def spy(*args, **kwargs):
-        segments.append(len(args[3]))
+        laid.append((len(args[3]), args[0].shape[1]))
         return row_attention(*args, **kwargs)
 
     monkeypatch.setattr(varlen_attention, "_row_attention", spy)
@@ -144,9 +147,22 @@ def test_packed_micro_batches_match_the_padded_path(tiny_model_dir, batch, monke
         packed.model.named_parameters(), padded.model.parameters(), strict=True
     ):
         torch.testing.assert_close(p_packed.grad, p_padded.grad, rtol=1e-4, atol=1e-6, msg=name)
-    # Every layer of every packed row attended per sequence (2 forward passes: log-probs, gradients).
+    # Every layer of every packed row attended per sequence, or per group when prompts are shared (2
+    # forward passes: log-probs, gradients), over the real tokens only, each shared prompt once.
+    prompt_lengths = batch.prompt_mask_BP.sum(1).tolist()
+    expected = []
+    for r in rows:
+        prompts = prompt_lengths[r]
+        if share_prompts:  # the fixture's groups are consecutive pairs with one prompt each
+            firsts = [i for i in range(r.start, r.stop) if i == r.start or i % batch.group_size == 0]
+            num_segments, prompt_tokens = len(firsts), sum(prompt_lengths[i] for i in firsts)
+        else:
+            num_segments, prompt_tokens = len(prompts), sum(prompts)
+        expected.append((num_segments, prompt_tokens + int(lengths[r].sum())))
     num_layers = packed.model.config.num_hidden_layers
-    assert segments == [r.stop - r.start for r in rows for _ in range(num_layers)] * 2
+    assert laid == [e for e in expected for _ in range(num_layers)] * 2
+    assert all(tokens <= packed.config.pack_tokens for _, tokens in expected)
+    assert share_prompts == any(n < r.stop - r.start for (n, _), r in zip(expected, rows, strict=True))
 
 
 def test_token_budget_keeps_order_and_isolates_long_sequences():
@@ -156,6 +172,18 @@ def test_token_budget_keeps_order_and_isolates_long_sequences():
     assert token_budget_rows([], 5) == []
     with pytest.raises(ValueError):
         token_budget_rows([1], 0)
+
+
+def test_token_budget_counts_a_shared_prompt_again_where_a_micro_batch_opens_mid_group():
+    from llamarl.exec.packing import token_budget_rows
+
+    # One group: a 10-token prompt, five 2-token completions; shared, the samples after the first cost 2.
+    shared, alone = [12, 2, 2, 2, 2], [12] * 5
+    # Counted as shared everywhere, the second row (prompt laid again + 3 completions = 16) would pass.
+    assert token_budget_rows(shared, 15) == [slice(0, 2), slice(2, 5)]
+    rows = token_budget_rows(shared, 15, opening_lengths=alone)
+    assert rows == [slice(0, 2), slice(2, 4), slice(4, 5)]
+    assert all(alone[r.start] + sum(shared[r.start + 1 : r.stop]) <= 15 for r in rows)
 
 
 def test_balanced_rows_give_exactly_the_parts_asked():

@@ -74,7 +74,9 @@ def _budget_with_unequal_micro_batches(batch) -> int:
     raise AssertionError("no budget splits the parts unequally; change the batch")
 
 
-@pytest.mark.parametrize("layout", ["padded", "shared", "packed", "packed_unequal", "checkpointed"])
+@pytest.mark.parametrize(
+    "layout", ["padded", "shared", "packed", "packed_shared", "packed_unequal", "checkpointed"]
+)
 def test_two_rank_gradient_equals_the_single_rank_gradient(tiny_model_dir, batch, layout):
     # "packed_unequal": one rank's budget gives it fewer micro-batches; it must split into as many as
     # the other's (FSDP2 runs collectives in every pass), else this would hang until the timeout.
@@ -82,6 +84,7 @@ def test_two_rank_gradient_equals_the_single_rank_gradient(tiny_model_dir, batch
         "padded": {},
         "shared": {"share_prompts": True},
         "packed": {"pack_tokens": 40},
+        "packed_shared": {"pack_tokens": 40, "share_prompts": True},  # each group's prompt laid once
         "packed_unequal": {"pack_tokens": _budget_with_unequal_micro_batches(batch)},
         "checkpointed": {"pack_tokens": 40, "gradient_checkpointing": True},  # activation checkpointing
     }[layout]

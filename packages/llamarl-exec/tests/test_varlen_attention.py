@@ -9,7 +9,7 @@ from transformers import AttentionInterface
 
 from llamarl.exec import varlen_attention
 from llamarl.exec.models import tiny_model
-from llamarl.exec.varlen_attention import VARLEN_ATTENTION, lengths_from_positions
+from llamarl.exec.varlen_attention import VARLEN_ATTENTION, Segment, lengths_from_positions
 
 LENGTHS = [7, 19, 3, 12]  # four sequences of different lengths in one packed row (T = 41)
 
@@ -61,11 +61,11 @@ def _grads(model, logprobs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("pass_lengths", [True, False], ids=["segment_lengths", "from_position_ids"])
+@pytest.mark.parametrize("pass_lengths", [True, False], ids=["segments", "from_position_ids"])
 def test_packed_varlen_matches_padded_logprobs_and_gradients(model, sequences, pass_lengths):
     padded = _padded_logprobs(model, sequences)
     padded_grads = _grads(model, padded)
-    kwargs = {"segment_lengths": LENGTHS} if pass_lengths else {}
+    kwargs = {"segments": LENGTHS} if pass_lengths else {}
     packed = _packed_logprobs(model, sequences, **kwargs)
     packed_grads = _grads(model, packed)
     for p, q in zip(packed, padded, strict=True):
@@ -79,9 +79,9 @@ def test_packed_row_builds_no_mask_and_attends_per_segment(model, sequences, mon
     seen = []
     row_attention = varlen_attention._row_attention
 
-    def spy(query_HTD, key_HTD, value_HTD, lengths, **kwargs):
-        seen.append(list(lengths))
-        return row_attention(query_HTD, key_HTD, value_HTD, lengths, **kwargs)
+    def spy(query_HTD, key_HTD, value_HTD, segments, **kwargs):
+        seen.append([s.length for s in segments if not s.branches])
+        return row_attention(query_HTD, key_HTD, value_HTD, segments, **kwargs)
 
     forward = varlen_attention.varlen_attention_forward
 
@@ -91,15 +91,15 @@ def test_packed_row_builds_no_mask_and_attends_per_segment(model, sequences, mon
 
     monkeypatch.setattr(varlen_attention, "_row_attention", spy)
     monkeypatch.setitem(AttentionInterface._global_mapping, VARLEN_ATTENTION, no_mask)
-    _packed_logprobs(model, sequences, segment_lengths=LENGTHS)
+    _packed_logprobs(model, sequences, segments=LENGTHS)
     assert seen == [LENGTHS] * model.config.num_hidden_layers
 
 
 def test_a_segment_boundary_changes_the_result(model, sequences):
     """The comparison above can fail: one attention span over the whole row (no boundaries) gives other
     log-probs from the second sequence on."""
-    right = _packed_logprobs(model, sequences, segment_lengths=LENGTHS)
-    wrong = _packed_logprobs(model, sequences, segment_lengths=[sum(LENGTHS)])
+    right = _packed_logprobs(model, sequences, segments=LENGTHS)
+    wrong = _packed_logprobs(model, sequences, segments=[sum(LENGTHS)])
     torch.testing.assert_close(wrong[0], right[0], rtol=1e-5, atol=1e-5)  # the first sees only itself
     assert all((w - r).abs().max() > 1e-3 for w, r in zip(wrong[1:], right[1:], strict=True))
 
@@ -125,6 +125,56 @@ def test_lengths_from_positions():
     assert lengths_from_positions(torch.tensor([], dtype=torch.long)) == []
 
 
-def test_segment_lengths_must_cover_the_row(model, sequences):
-    with pytest.raises(ValueError, match="sum to"):
-        _packed_logprobs(model, sequences, segment_lengths=LENGTHS[:-1])
+def test_segments_must_cover_the_row(model, sequences):
+    with pytest.raises(ValueError, match="segments cover 29 tokens, the row has 41"):
+        _packed_logprobs(model, sequences, segments=LENGTHS[:-1])
+
+
+PROMPT, BRANCHES = 9, (5, 1, 11)  # one prompt shared by three completions of different lengths
+
+
+def _shared_prefix_case(model, *, as_segment: Segment):
+    """(packed log-probs of each completion, their gradients, padded log-probs, their gradients) for one
+    prompt followed by three completions laid once as a shared-prefix row with `as_segment`."""
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(3, 96, (PROMPT,), generator=g)
+    completions = [torch.randint(3, 96, (n,), generator=g) for n in BRANCHES]
+    sequences = [torch.cat([prompt, c]) for c in completions]
+    model.set_attn_implementation("sdpa")
+    padded = []
+    for seq in sequences:  # one unpadded row each: the plain reference
+        logits = model(input_ids=seq[None], use_cache=False).logits[0]
+        padded.append(_target_logprobs(logits, seq)[PROMPT - 1 :])  # the completion tokens only
+    padded_grads = _grads(model, padded)
+    model.set_attn_implementation(VARLEN_ATTENTION)
+    ids = torch.cat([prompt, *completions])[None]
+    positions = torch.cat([torch.arange(PROMPT), *[torch.arange(n) + PROMPT for n in BRANCHES]])[None]
+    logits = model(input_ids=ids, position_ids=positions, use_cache=False, segments=[as_segment]).logits[0]
+    packed, start = [], PROMPT
+    for c in completions:
+        # The prompt's last position predicts every completion's first token.
+        predictors = torch.cat([logits[PROMPT - 1 : PROMPT], logits[start : start + len(c) - 1]])
+        packed.append(predictors.log_softmax(-1).gather(-1, c[:, None]).squeeze(-1))
+        start += len(c)
+    return packed, _grads(model, packed), padded, padded_grads
+
+
+def test_shared_prefix_segment_matches_one_row_per_sequence(model):
+    """A prompt laid once with its completions as branches gives each completion the log-probs and
+    gradients it has in its own row (the prompt's gradient summed over its completions)."""
+    packed, packed_grads, padded, padded_grads = _shared_prefix_case(
+        model, as_segment=Segment(PROMPT, BRANCHES)
+    )
+    for p, q in zip(packed, padded, strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5)
+    for name, grad in padded_grads.items():
+        torch.testing.assert_close(packed_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_branches_that_saw_each_other_would_differ(model):
+    """The comparison above can fail: the same row read as one causal sequence (each completion also
+    seeing the completions before it) changes the third completion. The first sees nothing new, and the
+    second's one token is predicted from the prompt's last position."""
+    packed, _, padded, _ = _shared_prefix_case(model, as_segment=Segment(PROMPT + sum(BRANCHES)))
+    torch.testing.assert_close(packed[:2], padded[:2], rtol=1e-5, atol=1e-5)
+    assert (packed[2] - padded[2]).abs().max() > 1e-3

@@ -7,10 +7,15 @@ Shape legend:
 Each sequence is its real prompt tokens followed by its real completion tokens; the sequences are laid
 end to end in one row of T tokens and the position ids restart at 0 at each one. Attention must stay
 within each sequence: the trainer runs the model with `llamarl.exec.varlen_attention`, which attends
-per segment (`PackedRow.segment_lengths`) with causal SDPA. (Plain transformers, given no attention
-mask and no cache, reads the restarts as boundaries too, but through a dense block-diagonal [T, T]
-mask.) So every token is computed as in its own padded row, and no layer spends any work on padding
-or across sequences. The LM head runs only at the K positions that predict a completion token.
+per segment (`PackedRow.segments`) with causal SDPA. (Plain transformers, given no attention mask and
+no cache, reads the restarts as boundaries too, but through a dense block-diagonal [T, T] mask.)
+
+With `share_prompts`, consecutive sequences with the same prompt (a group's samples) lay that prompt
+once and their completions after it, each completion attending to the prompt and to itself only
+(a shared-prefix `Segment`): GRPO-style groups then pay for each prompt once, not once per sample.
+
+So every token is computed as in its own padded row, and no layer spends any work on padding or across
+sequences. The LM head runs only at the K positions that predict a completion token.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import itertools
 from dataclasses import dataclass
 
 import torch
+
+from llamarl.exec.varlen_attention import Segment
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,29 +36,54 @@ class PackedRow:
     position_ids_1T: torch.Tensor  # int64 [1, T], 0.. per sequence
     predict_index_K: torch.Tensor  # int64 [K]: positions whose logits predict the completion tokens
     target_ids_1K: torch.Tensor  # int64 [1, K]: those completion tokens, in row-major (sequence) order
-    segment_lengths: tuple[int, ...]  # real tokens of each packed sequence, in order (sum T)
+    segments: tuple[Segment, ...]  # the row's sequences (or shared-prompt groups), in order (cover T)
 
 
-def sequence_lengths(prompt_mask_BP: torch.Tensor, completion_mask_BC: torch.Tensor) -> list[int]:
-    """Real tokens per sequence (prompt + completion): what a sequence costs in a packed row."""
-    return (prompt_mask_BP.sum(1) + completion_mask_BC.sum(1)).tolist()
+def repeats_previous_prompt(prompt_ids_BP: torch.Tensor, prompt_mask_BP: torch.Tensor) -> list[bool]:
+    """Per sequence: whether its real prompt tokens equal the previous sequence's (False for the first)."""
+    if prompt_ids_BP.shape[0] == 0:
+        return []
+    real_BP = torch.where(prompt_mask_BP.bool(), prompt_ids_BP, -1)  # padding ids may differ
+    same_B = (real_BP[1:] == real_BP[:-1]).all(dim=1)
+    return [False, *same_B.tolist()]
 
 
-def token_budget_rows(lengths: list[int], budget: int) -> list[slice]:
+def sequence_lengths(
+    prompt_mask_BP: torch.Tensor,
+    completion_mask_BC: torch.Tensor,
+    *,
+    repeats_prompt: list[bool] | None = None,
+) -> list[int]:
+    """Real tokens per sequence (prompt + completion): what a sequence costs in a packed row. With
+    `repeats_prompt` (see `repeats_previous_prompt`), a sequence that shares its predecessor's prompt
+    costs its completion only."""
+    prompt_B = prompt_mask_BP.sum(1)
+    if repeats_prompt is not None:
+        prompt_B = prompt_B * ~torch.tensor(repeats_prompt, dtype=torch.bool)
+    return (prompt_B + completion_mask_BC.sum(1)).tolist()
+
+
+def token_budget_rows(
+    lengths: list[int], budget: int, *, opening_lengths: list[int] | None = None
+) -> list[slice]:
     """Splits sequences, in order, into consecutive micro-batches of at most `budget` tokens each.
 
     Order is kept (a group's samples stay next to each other, and results map back by slice); a
     sequence longer than the budget gets a micro-batch of its own rather than being cut.
+    `opening_lengths[i]` is what sequence i costs when it opens a micro-batch (default `lengths[i]`):
+    with shared prompts a sample costs its completion only after its group's first, but a micro-batch
+    that opens mid-group lays the prompt again.
     """
     if budget < 1:
         raise ValueError(f"token budget must be positive, got {budget}")
+    opening = lengths if opening_lengths is None else opening_lengths
     rows: list[slice] = []
     first, used = 0, 0
     for i, length in enumerate(lengths):
         if i > first and used + length > budget:
             rows.append(slice(first, i))
             first, used = i, 0
-        used += length
+        used += opening[i] if i == first else length
     if first < len(lengths):
         rows.append(slice(first, len(lengths)))
     return rows
@@ -87,35 +119,57 @@ def pack(
     prompt_mask_MP: torch.Tensor,
     completion_ids_MC: torch.Tensor,
     completion_mask_MC: torch.Tensor,
+    *,
+    share_prompts: bool = False,
 ) -> PackedRow:
     """Packs a micro-batch of left-padded prompts and right-padded completions into one row.
 
     Completion masks must be right-padded (ones then zeros), as generators produce them: the k-th real
     completion token of a sequence then sits at column k, so the packed log-probs map back to [M, C]
-    with `completion_mask_MC` (see `unpack`).
+    with `completion_mask_MC` (see `unpack`). `share_prompts`: a run of sequences with the same prompt
+    lays it once (see the module docstring); the log-probs are the same function of the same tokens.
     """
     prompt_mask = prompt_mask_MP.bool()
     completion_mask = completion_mask_MC.bool()
-    ids, positions, predict, targets, lengths = [], [], [], [], []
-    offset = 0
+    repeats = repeats_previous_prompt(prompt_ids_MP, prompt_mask_MP) if share_prompts else None
+    ids, positions, predict, targets = [], [], [], []
+    groups: list[tuple[int, list[int]]] = []  # (prompt length, completion lengths) per segment
+    offset = 0  # tokens laid so far
+    prompt_end = 0  # row position after the current group's prompt
     for i in range(prompt_ids_MP.shape[0]):
-        prompt = prompt_ids_MP[i][prompt_mask[i]]
         completion = completion_ids_MC[i][completion_mask[i]]
-        num_prompt, num_completion = len(prompt), len(completion)
-        ids += [prompt, completion]
-        positions.append(torch.arange(num_prompt + num_completion))
-        # Position p predicts token p + 1: positions P-1 .. P+C-2 predict the completion tokens.
-        predict.append(torch.arange(num_completion) + offset + num_prompt - 1)
+        if not (repeats and repeats[i]):  # a new prompt: lay it
+            prompt = prompt_ids_MP[i][prompt_mask[i]]
+            ids.append(prompt)
+            positions.append(torch.arange(len(prompt)))
+            offset += len(prompt)
+            prompt_end = offset
+            groups.append((len(prompt), []))
+        num_prompt, num_completion = groups[-1][0], len(completion)
+        ids.append(completion)
+        positions.append(torch.arange(num_completion) + num_prompt)
+        # Position p predicts token p + 1: the prompt's last position predicts the first completion
+        # token, each completion token but the last predicts the next.
+        if num_completion:  # (an empty completion predicts nothing)
+            predict.append(torch.tensor([prompt_end - 1]))
+            predict.append(torch.arange(num_completion - 1) + offset)
+            groups[-1][1].append(num_completion)
         targets.append(completion)
-        lengths.append(num_prompt + num_completion)
-        offset += num_prompt + num_completion
+        offset += num_completion
     return PackedRow(
         input_ids_1T=torch.cat(ids).unsqueeze(0),
         position_ids_1T=torch.cat(positions).unsqueeze(0),
-        predict_index_K=torch.cat(predict),
+        predict_index_K=torch.cat(predict) if predict else torch.zeros(0, dtype=torch.long),
         target_ids_1K=torch.cat(targets).unsqueeze(0),
-        segment_lengths=tuple(lengths),
+        segments=tuple(_segment(prompt, branches) for prompt, branches in groups),
     )
+
+
+def _segment(prompt: int, completions: list[int]) -> Segment:
+    """A prompt and its completions (none empty): one plain sequence when it has a single completion."""
+    if len(completions) <= 1:
+        return Segment(prompt + sum(completions))
+    return Segment(prompt, tuple(completions))
 
 
 def unpack(values_1K: torch.Tensor, completion_mask_MC: torch.Tensor) -> torch.Tensor:

@@ -14,10 +14,10 @@ never for the prompt or the whole batch, and `token_logprobs` upcasts them to fl
 
 Micro-batches are either padded rows (`micro_batch_size` sequences, optionally forwarding each prompt
 once per group: `share_prompts`) or packed rows (`pack_tokens`: consecutive sequences up to a token
-budget laid end to end in one row, see `llamarl.exec.packing`). Packing replaces prompt sharing when it
-is on: sharing needs whole groups in a micro-batch and pays for the padding of every completion to the
-longest one, while packing pays for no padding at all but runs each prompt once per sample; on batches
-of uneven completion lengths (RL rollouts) padding is the larger waste (tools/bench_train_step.py).
+budget laid end to end in one row, see `llamarl.exec.packing`). Both honour `share_prompts`: padded
+rows share only within micro-batches of whole groups and still pad every completion to the longest,
+while packed rows lay each run of same-prompt sequences as one prompt and its completions, with no
+padding at all (tools/bench_train_step.py compares the layouts).
 
 Several ranks: given a trainer process group of N ranks, the model is sharded with FSDP2 over it, each
 rank trains on its own part of the batch, and the token and sequence counts that divide the loss are
@@ -79,9 +79,9 @@ class TrainerConfig:
     logprob_chunk_size: int = 512  # tokens upcast to float32 at a time when computing log-probs
     gradient_checkpointing: bool = False  # recompute activations in backward to save memory
     share_prompts: bool = True  # forward each prompt once per group and reuse its keys/values (with
-    # gradient) for the group's samples; needs micro-batches of whole groups, else falls back
-    pack_tokens: int = 0  # > 0: packed micro-batches of at most this many real tokens (no padding);
-    # replaces micro_batch_size and share_prompts. 0: padded rows of micro_batch_size sequences
+    # gradient) for the group's samples; padded rows need micro-batches of whole groups, else fall back
+    pack_tokens: int = 0  # > 0: packed micro-batches of at most this many real tokens (no padding),
+    # a shared prompt counted once; replaces micro_batch_size. 0: padded rows of micro_batch_size
     kl_coef: float = 0.0  # > 0: penalty kl_coef * KL(policy || reference) with a frozen reference model
     kl_estimator: str = "k3"  # "k1", "k2" or "k3" (llamarl.algo.kl)
     seed: int | None = None  # seeds torch's RNG in setup(); None leaves it
@@ -341,8 +341,16 @@ class PolicyTrainer:
     def _micro_batch_rows(self, batch: RolloutBatch) -> list[slice]:
         """Consecutive rows per micro-batch: `micro_batch_size` sequences, or a token budget when packing."""
         if self.config.pack_tokens:
-            lengths = packing.sequence_lengths(batch.prompt_mask_BP, batch.completion_mask_BC)
-            rows = packing.token_budget_rows(lengths, self.config.pack_tokens)
+            repeats = (
+                packing.repeats_previous_prompt(batch.prompt_ids_BP, batch.prompt_mask_BP)
+                if self.config.share_prompts
+                else None
+            )
+            lengths = packing.sequence_lengths(
+                batch.prompt_mask_BP, batch.completion_mask_BC, repeats_prompt=repeats
+            )
+            alone = packing.sequence_lengths(batch.prompt_mask_BP, batch.completion_mask_BC)
+            rows = packing.token_budget_rows(lengths, self.config.pack_tokens, opening_lengths=alone)
             # FSDP2 ranks must run the same number of forward/backward passes (each one gathers and
             # reduces over the group): the ranks whose budget gave fewer micro-batches split evenly
             # into as many as the rank that needs the most.
@@ -394,16 +402,21 @@ class PolicyTrainer:
         length = max(int(completion_mask_MC.sum(1).max()) if completion_mask_MC.numel() else 0, 1)
         completion_mask_MC = completion_mask_MC[:, :length]
         row = packing.pack(
-            prompt_ids_MP, prompt_mask_MP, completion_ids_MC[:, :length], completion_mask_MC.cpu()
+            prompt_ids_MP,
+            prompt_mask_MP,
+            completion_ids_MC[:, :length],
+            completion_mask_MC.cpu(),
+            share_prompts=self.config.share_prompts,
         )
-        # No attention mask: the varlen attention (see setup) attends within each packed sequence, from
-        # lengths computed here once for all layers (Python ints: no device sync per layer).
+        # No attention mask: the varlen attention (see setup) attends within each packed sequence (or
+        # shared-prompt group), from segments computed here once for all layers (Python ints: no
+        # device sync per layer).
         logits_1KV = model(
             input_ids=row.input_ids_1T.to(device),
             position_ids=row.position_ids_1T.to(device),
             use_cache=False,
             logits_to_keep=row.predict_index_K.to(device),
-            segment_lengths=row.segment_lengths,
+            segments=row.segments,
         ).logits
         logprobs_1K = token_logprobs(
             logits_1KV,

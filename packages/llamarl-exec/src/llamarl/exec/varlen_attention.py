@@ -11,9 +11,13 @@ spent on the blocks that are masked out. This implementation instead cuts the ro
 boundaries and runs causal SDPA (`is_causal=True`, the fast kernels) on each segment, so no [T, T] mask
 is ever built and no work is spent across segments.
 
-Use: `register()` once, then `model.set_attn_implementation(VARLEN_ATTENTION)`. Pass the segment
-lengths of the micro-batch to the model's forward as `segment_lengths=` (computed once per
-micro-batch, reused by every layer); without them each layer derives them from the position ids.
+Segments may also share a prefix (`Segment`): a group's prompt laid once, followed by its samples'
+completions, each attending to the prompt and to itself only, so the prompt's tokens are computed once
+per group instead of once per sample (position ids then restart at the prompt's length in each branch).
+
+Use: `register()` once, then `model.set_attn_implementation(VARLEN_ATTENTION)`. Pass the segments of
+the micro-batch to the model's forward as `segments=` (computed once per micro-batch, reused by every
+layer); without them each layer derives plain segments from the position ids.
 With a padding mask (2D attention mask) or a KV cache the implementation is plain SDPA, so the same
 model still serves padded rows correctly.
 """
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -44,34 +49,79 @@ def lengths_from_positions(position_ids_T: torch.Tensor) -> list[int]:
     return [b - a for a, b in itertools.pairwise(bounds)]
 
 
+@dataclass(frozen=True)
+class Segment:
+    """One piece of a packed row: a causal `prefix`, then optional `branches` that each attend to the
+    whole prefix and causally to themselves, but not to one another.
+
+    A plain packed sequence is `Segment(length)`. A prompt shared by a group of samples is
+    `Segment(prompt_length, (completion lengths...))`: the prompt's tokens are laid once, each completion
+    after it sees the prompt and its own earlier tokens, as it would in its own padded row.
+    """
+
+    prefix: int
+    branches: tuple[int, ...] = ()
+
+    @property
+    def length(self) -> int:
+        """Tokens of the row this segment covers."""
+        return self.prefix + sum(self.branches)
+
+
+def _prefix_causal_mask(branch: int, prefix: int, device: torch.device) -> torch.Tensor:
+    """bool [branch, prefix + branch]: query j of a branch sees the prefix and branch tokens 0..j (the
+    bottom-right-aligned causal mask; SDPA's `is_causal` aligns top-left)."""
+    keys = torch.arange(prefix + branch, device=device)
+    return keys[None, :] <= torch.arange(branch, device=device)[:, None] + prefix
+
+
 def _row_attention(
     query_HTD: torch.Tensor,
     key_HTD: torch.Tensor,
     value_HTD: torch.Tensor,
-    lengths: Sequence[int],
+    segments: Sequence[Segment],
     *,
     scale: float | None,
     dropout: float,
     enable_gqa: bool,
 ) -> torch.Tensor:
-    """Causal attention within each segment of one row; returns [T, H, D] (token-major, as the model's
-    output projection reads it)."""
-    if len(lengths) == 1:  # an unpacked row: one call, no split or copy
-        pieces = [(query_HTD, key_HTD, value_HTD)]
-    else:
-        pieces = zip(
-            query_HTD.split(lengths, dim=1),
-            key_HTD.split(lengths, dim=1),
-            value_HTD.split(lengths, dim=1),
-            strict=True,
-        )
-    outs_LHD = [
-        F.scaled_dot_product_attention(
-            q, k, v, dropout_p=dropout, scale=scale, is_causal=True, enable_gqa=enable_gqa
+    """Attention within each segment of one row; returns [T, H, D] (token-major, as the model's output
+    projection reads it)."""
+
+    def attend(q, k, v, mask=None):  # [H, L, D] -> [L, H, D]
+        return F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            dropout_p=dropout,
+            scale=scale,
+            is_causal=mask is None,
+            enable_gqa=enable_gqa,
         ).transpose(0, 1)
-        for q, k, v in pieces
-    ]
-    return torch.cat(outs_LHD, dim=0) if len(outs_LHD) > 1 else outs_LHD[0].contiguous()
+
+    if len(segments) == 1 and not segments[0].branches:  # an unpacked row: one call, no split or copy
+        return attend(query_HTD, key_HTD, value_HTD).contiguous()
+    outs_LHD = []
+    start = 0
+    for segment in segments:
+        prefix = slice(start, start + segment.prefix)
+        outs_LHD.append(attend(query_HTD[:, prefix], key_HTD[:, prefix], value_HTD[:, prefix]))
+        start = prefix.stop
+        for length in segment.branches:
+            # The branch's keys/values are the prefix's then its own (a copy of the prefix's per branch,
+            # small next to the branch's own compute; the prefix's gradient sums over its branches).
+            branch = slice(start, start + length)
+            outs_LHD.append(
+                attend(
+                    query_HTD[:, branch],
+                    torch.cat([key_HTD[:, prefix], key_HTD[:, branch]], dim=1),
+                    torch.cat([value_HTD[:, prefix], value_HTD[:, branch]], dim=1),
+                    _prefix_causal_mask(length, segment.prefix, query_HTD.device),
+                )
+            )
+            start = branch.stop
+    return torch.cat(outs_LHD, dim=0)
 
 
 def varlen_attention_forward(
@@ -83,7 +133,7 @@ def varlen_attention_forward(
     dropout: float = 0.0,
     scaling: float | None = None,
     *,
-    segment_lengths: Sequence[int] | None = None,
+    segments: Sequence[Segment | int] | None = None,
     position_ids: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
@@ -94,8 +144,9 @@ def varlen_attention_forward(
             (grouped-query attention), which SDPA broadcasts itself (`enable_gqa`, no copy).
         attention_mask: None for packed or unpadded rows (see `varlen_mask`); a mask means padded rows,
             handed to transformers' own SDPA path.
-        segment_lengths: the packed sequences' lengths (sum T), one list for a single row.
-        position_ids: int [B, T]; segments come from their restarts when `segment_lengths` is None.
+        segments: the packed row's segments, in order (their lengths sum to T), for a single row; an int
+            is a plain sequence of that length. Shared-prefix segments can only come this way.
+        position_ids: int [B, T]; plain segments come from their restarts when `segments` is None.
 
     Returns:
         (output [B, T, H, D], None): the layout transformers' attention functions return.
@@ -116,22 +167,24 @@ def varlen_attention_forward(
     enable_gqa = query_BHTD.shape[1] != key_BHkvTD.shape[1]
     outs_THD = []
     for b in range(num_rows):
-        if segment_lengths is not None:
+        if segments is not None:
             if num_rows != 1:
-                raise ValueError("segment_lengths describes one packed row; got a batch of rows")
-            lengths = list(segment_lengths)
-            if sum(lengths) != num_tokens:
-                raise ValueError(f"segment_lengths sum to {sum(lengths)}, the row has {num_tokens} tokens")
+                raise ValueError("segments describe one packed row; got a batch of rows")
+            row_segments = [Segment(s) if isinstance(s, int) else s for s in segments]
+            covered = sum(s.length for s in row_segments)
+            if covered != num_tokens:
+                raise ValueError(f"segments cover {covered} tokens, the row has {num_tokens}")
         elif position_ids is not None:
-            lengths = lengths_from_positions(position_ids[b if position_ids.shape[0] > 1 else 0])
+            row_positions = position_ids[b if position_ids.shape[0] > 1 else 0]
+            row_segments = [Segment(n) for n in lengths_from_positions(row_positions)]
         else:
-            lengths = [num_tokens]
+            row_segments = [Segment(num_tokens)]
         outs_THD.append(
             _row_attention(
                 query_BHTD[b],
                 key_BHkvTD[b],
                 value_BHkvTD[b],
-                lengths,
+                row_segments,
                 scale=scaling,
                 dropout=dropout,
                 enable_gqa=enable_gqa,
