@@ -1,14 +1,25 @@
-"""Times one trainer step on SmolLM2-135M-Instruct on one 16-sequence GSM8K batch: padded rows (with and
-without sharing each prompt's forward across its group) against packed rows, on 1 and 2 trainer ranks.
+"""Times one trainer step on SmolLM2-135M-Instruct on one 16-sequence GSM8K batch: padded rows against
+packed rows, each with and without sharing each prompt's forward across its group, on 1 and 2 ranks,
+and TRL's GRPOTrainer's training pass on the same batch.
 
     uv run tools/bench_train_step.py [--threads 2] [--prompts 4] [--samples 4] [--max-completion 256]
-        [--uneven | --even] [--ranks 1 2] [--layouts padded shared packed] [--json out.json]
+        [--uneven | --even] [--ranks 1 2] [--layouts padded shared packed packed_shared ...] [--json out.json]
+    uv run --with trl==1.16.0 tools/bench_train_step.py --ranks 1 --layouts trl padded packed_shared
+
+Each case runs in fresh processes, so its peak RSS is its own. The `trl` layouts (1 rank only; TRL is
+not a project dependency, `--with` adds it for the one run) time what GRPOTrainer does with a generated
+batch: its `compute_loss` (padded rows of `--micro-batch-size`, its fused LM head, DAPO token-sum loss,
+no KL) and backward per micro-batch, then clipping and the AdamW step, as its training loop would,
+with generation and scoring left out on both sides. `trl` keeps GRPOConfig's defaults (activation
+checkpointing on, enabled here as `train()` would); `trl_no_checkpointing` turns it off, as llamarl's
+layouts run but `packed_shared_checkpointed`.
 
 Prompts are real GSM8K questions in the chat template; completions are random tokens (the cost of a
 training pass does not depend on what the tokens say). With `--uneven` (the default) completion lengths
 are drawn uniformly from [max/8, max], as RL rollouts are: some stop early, some hit the limit. One rank
 uses `--threads` threads; two ranks (FSDP2 over gloo, one process each) use one thread each, so both
-use the same cores. tokens/s counts completion tokens (what the loss is over) of the whole batch.
+use the same cores. tokens/s counts completion tokens (what the loss is over) of the whole batch;
+CPU seconds and peak RSS are the sums over the ranks.
 """
 
 from __future__ import annotations
@@ -16,7 +27,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -25,10 +38,19 @@ from llamarl.exec import PolicyTrainer, TrainerConfig, smollm2_path
 from llamarl.exec.types import RolloutBatch
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gsm8k" / "test.jsonl"
-LAYOUTS = {  # name -> trainer settings
+LAYOUTS = {  # name -> trainer settings (pack_tokens of the packed ones is set from --pack-tokens)
     "padded": {"share_prompts": False},
     "shared": {"share_prompts": True},  # padded rows, each prompt forwarded once per group
-    "packed": {},  # pack_tokens is set from --pack-tokens
+    "packed": {"share_prompts": False},  # packed rows, each sequence with its own prompt
+    "packed_shared": {"share_prompts": True},  # packed rows, each group's prompt laid once
+    # the same with activation checkpointing, as TRL's defaults run
+    "packed_shared_checkpointed": {"share_prompts": True, "gradient_checkpointing": True},
+}
+
+
+TRL_LAYOUTS = {  # name -> GRPOConfig overrides (see _trl_step)
+    "trl": {},  # TRL's defaults, which turn gradient checkpointing on
+    "trl_no_checkpointing": {"activation_checkpointing": False},  # as the llamarl layouts run
 }
 
 
@@ -71,42 +93,114 @@ def make_batch(
     )
 
 
+def _trl_step(model: str, batch: RolloutBatch, args, output_dir: str, **overrides):
+    """A callable running one GRPOTrainer training pass (loss, backward, clip, AdamW) over `batch`."""
+    try:
+        from datasets import Dataset
+        from trl import GRPOConfig, GRPOTrainer
+    except ImportError as error:
+        raise SystemExit(
+            "the trl layout needs TRL: uv run --with trl==1.16.0 tools/bench_train_step.py ..."
+        ) from error
+    micro = args.micro_batch_size
+    if batch.num_sequences % micro:
+        raise SystemExit(f"--micro-batch-size {micro} must divide the {batch.num_sequences} sequences")
+    config = GRPOConfig(
+        output_dir=output_dir,
+        use_cpu=True,
+        bf16=False,
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=batch.num_sequences // micro,
+        num_generations=batch.group_size,
+        max_completion_length=batch.completion_ids_BC.shape[1],
+        beta=0.0,  # no reference model, as in the llamarl layouts
+        report_to=[],
+        **overrides,
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=lambda completions, **_: [0.0] * len(completions),
+        args=config,
+        train_dataset=Dataset.from_dict({"prompt": ["unused"] * batch.num_sequences}),
+    )
+    if config.activation_checkpointing:  # (`train()` turns it on; this pass calls compute_loss itself)
+        kwargs = dict(config.activation_checkpointing_kwargs or {})
+        every_n_layers, offload = kwargs.pop("every_n_layers", 1), kwargs.pop("offload", False)
+        trainer.model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs=kwargs or None, every_n_layers=every_n_layers, offload=offload
+        )
+    model_ = trainer.model.train()
+    optimizer = trainer.create_optimizer()
+    trainer.current_gradient_accumulation_steps = config.gradient_accumulation_steps  # (set by train())
+    rewards_GN = batch.rewards_B.view(-1, batch.group_size)
+    advantages_B = (rewards_GN - rewards_GN.mean(1, keepdim=True)).flatten()
+    num_items = torch.tensor(float(batch.num_completion_tokens))
+
+    def step() -> None:
+        for first in range(0, batch.num_sequences, micro):
+            rows = slice(first, first + micro)
+            inputs = {
+                "prompt_ids": batch.prompt_ids_BP[rows],
+                "prompt_mask": batch.prompt_mask_BP[rows],
+                "completion_ids": batch.completion_ids_BC[rows],
+                "completion_mask": batch.completion_mask_BC[rows],
+                "advantages": advantages_B[rows],
+                "num_items_in_batch": num_items,
+            }
+            trainer.accelerator.backward(trainer.compute_loss(model_, inputs))
+        torch.nn.utils.clip_grad_norm_(model_.parameters(), config.max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
 def _config(model: str, layout: str, args) -> TrainerConfig:
     settings = dict(LAYOUTS[layout])
-    if layout == "packed":
+    if layout.startswith("packed"):
         settings["pack_tokens"] = args.pack_tokens
     return TrainerConfig(model=model, micro_batch_size=args.micro_batch_size, **settings)
 
 
-def _time_steps(
-    trainer: PolicyTrainer, batch: RolloutBatch, repeats: int, warmup: bool, barrier=None
-) -> tuple[float, float]:
-    """(wall seconds, CPU seconds of this process, all its threads) per step. On a shared machine the
-    CPU time is the steadier figure: it leaves out the time spent waiting for a core."""
+def _time_steps(step, repeats: int, warmup: bool, barrier=None) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process, all its threads) per call of `step` (one training
+    step). On a shared machine the CPU time is the steadier figure: it leaves out waiting for a core."""
     if warmup:
-        trainer.train_step(batch)  # allocator, optimizer state, FSDP2 lazy init
+        step()  # allocator, optimizer state, FSDP2 lazy init
     if barrier:
         barrier()
     start, start_cpu = time.perf_counter(), time.process_time()
     for _ in range(repeats):
-        trainer.train_step(batch)
+        step()
     if barrier:
         barrier()
     return (time.perf_counter() - start) / repeats, (time.process_time() - start_cpu) / repeats
 
 
-def _two_rank_case(
-    rank: int, world_size: int, rdv, model: str, layout: str, batch, args
-) -> tuple[float, float]:
+def _case(rank: int, world_size: int, rdv, model: str, layout: str, batch, args) -> dict:
+    """One layout timed in this (fresh) process: its step times and this process's peak RSS."""
+    import resource
+
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=rdv.init_method, rank=rank, world_size=world_size)
-    trainer = PolicyTrainer(_config(model, layout, args), group=dist.group.WORLD)
-    trainer.setup()
-    part = batch.data_parallel_part(rank, world_size)
-    times = _time_steps(trainer, part, args.repeats, args.warmup, dist.barrier)
-    trainer.close()
-    return times
+    if world_size == 1:
+        torch.set_num_threads(args.threads)  # (the harness starts its children with one thread)
+    barrier = None
+    with tempfile.TemporaryDirectory() as output_dir:
+        if layout in TRL_LAYOUTS:
+            step = _trl_step(model, batch, args, output_dir, **TRL_LAYOUTS[layout])
+        else:
+            group = None
+            if world_size > 1:
+                dist.init_process_group("gloo", init_method=rdv.init_method, rank=rank, world_size=world_size)
+                group, barrier = dist.group.WORLD, dist.barrier
+                batch = batch.data_parallel_part(rank, world_size)
+            trainer = PolicyTrainer(_config(model, layout, args), group=group)
+            trainer.setup()
+            step = partial(trainer.train_step, batch)
+        seconds, cpu_seconds = _time_steps(step, args.repeats, args.warmup, barrier)
+    peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # (KiB on Linux)
+    return {"step_s": seconds, "cpu_s": cpu_seconds, "peak_rss_gb": peak_gb}
 
 
 def main() -> None:
@@ -123,7 +217,7 @@ def main() -> None:
         "--no-warmup", dest="warmup", action="store_false", help="time the first step too (saves a step)"
     )
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2], choices=[1, 2])
-    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=[*LAYOUTS, *TRL_LAYOUTS])
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     from transformers import AutoTokenizer
@@ -151,22 +245,18 @@ def main() -> None:
     for ranks in args.ranks:
         for layout in args.layouts:
             load_before = os.getloadavg()[0]
-            if ranks == 1:
-                torch.set_num_threads(args.threads)
-                trainer = PolicyTrainer(_config(model, layout, args))
-                trainer.setup()
-                seconds, cpu_seconds = _time_steps(trainer, batch, args.repeats, args.warmup)
-                trainer.close()
-            else:  # (CPU seconds: rank 0's process)
-                seconds, cpu_seconds = run_distributed(
-                    _two_rank_case, 2, model, layout, batch, args, timeout_s=3600, fresh=True
-                )[0]
+            if layout in TRL_LAYOUTS and ranks != 1:
+                continue  # (TRL's multi-process path needs accelerate's launcher)
+            # Fresh processes per case: each case's peak memory is its own.
+            cases = run_distributed(_case, ranks, model, layout, batch, args, timeout_s=3600, fresh=True)
+            seconds = max(case["step_s"] for case in cases)  # (equal: the ranks meet at a barrier)
             results.append(
                 {
                     "layout": layout,
                     "ranks": ranks,
                     "step_s": seconds,
-                    "cpu_s": cpu_seconds,
+                    "cpu_s": sum(case["cpu_s"] for case in cases),  # all ranks: the work done
+                    "peak_rss_gb": sum(case["peak_rss_gb"] for case in cases),  # all ranks
                     "completion_tokens_per_s": completion / seconds,
                     "real_tokens_per_s": real / seconds,
                     "load_1min": [load_before, os.getloadavg()[0]],  # before, after (shared machine)
@@ -175,18 +265,21 @@ def main() -> None:
             print(json.dumps(results[-1]), flush=True)
     base = next((r["step_s"] for r in results if r["layout"] == "padded" and r["ranks"] == 1), None)
     base_cpu = next((r["cpu_s"] for r in results if r["layout"] == "padded" and r["ranks"] == 1), None)
+    trl = next((r["step_s"] for r in results if r["layout"] == "trl"), None)
     print(
         "\n| layout | trainer ranks | s/step | completion tok/s | real tok/s | speed-up vs padded 1 rank "
-        "| CPU s/step | CPU speed-up | load avg 1 min (before, after) |"
+        "| vs TRL | CPU s/step (all ranks) | CPU speed-up | peak RSS GB (all ranks) "
+        "| load avg 1 min (before, after) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         speedup = f"{base / r['step_s']:.2f}x" if base else "-"
+        vs_trl = f"{trl / r['step_s']:.2f}x" if trl else "-"
         cpu_speedup = f"{base_cpu / r['cpu_s']:.2f}x" if base_cpu else "-"
         print(
             f"| {r['layout']} | {r['ranks']} | {r['step_s']:.1f} | {r['completion_tokens_per_s']:.0f} | "
-            f"{r['real_tokens_per_s']:.0f} | {speedup} | {r['cpu_s']:.1f} | {cpu_speedup} | "
-            f"{r['load_1min'][0]:.1f}, {r['load_1min'][1]:.1f} |"
+            f"{r['real_tokens_per_s']:.0f} | {speedup} | {vs_trl} | {r['cpu_s']:.1f} | {cpu_speedup} | "
+            f"{r['peak_rss_gb']:.2f} | {r['load_1min'][0]:.1f}, {r['load_1min'][1]:.1f} |"
         )
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=2) + "\n")
