@@ -263,8 +263,8 @@ def main() -> None:
                 }
             )
             print(json.dumps(results[-1]), flush=True)
-    base = next((r["step_s"] for r in results if r["layout"] == "padded" and r["ranks"] == 1), None)
-    base_cpu = next((r["cpu_s"] for r in results if r["layout"] == "padded" and r["ranks"] == 1), None)
+    padded_1_rank = next((r for r in results if r["layout"] == "padded" and r["ranks"] == 1), None)
+    base, base_cpu = (padded_1_rank["step_s"], padded_1_rank["cpu_s"]) if padded_1_rank else (None, None)
     trl = next((r["step_s"] for r in results if r["layout"] == "trl"), None)
     print(
         "\n| layout | trainer ranks | s/step | completion tok/s | real tok/s | speed-up vs padded 1 rank "

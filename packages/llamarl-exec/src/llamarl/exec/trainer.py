@@ -341,15 +341,13 @@ class PolicyTrainer:
     def _micro_batch_rows(self, batch: RolloutBatch) -> list[slice]:
         """Consecutive rows per micro-batch: `micro_batch_size` sequences, or a token budget when packing."""
         if self.config.pack_tokens:
-            repeats = (
-                packing.repeats_previous_prompt(batch.prompt_ids_BP, batch.prompt_mask_BP)
-                if self.config.share_prompts
-                else None
-            )
-            lengths = packing.sequence_lengths(
-                batch.prompt_mask_BP, batch.completion_mask_BC, repeats_prompt=repeats
-            )
             alone = packing.sequence_lengths(batch.prompt_mask_BP, batch.completion_mask_BC)
+            lengths = alone
+            if self.config.share_prompts:  # a sample after its group's first costs its completion only
+                repeats = packing.repeats_previous_prompt(batch.prompt_ids_BP, batch.prompt_mask_BP)
+                lengths = packing.sequence_lengths(
+                    batch.prompt_mask_BP, batch.completion_mask_BC, repeats_prompt=repeats
+                )
             rows = packing.token_budget_rows(lengths, self.config.pack_tokens, opening_lengths=alone)
             # FSDP2 ranks must run the same number of forward/backward passes (each one gathers and
             # reduces over the group): the ranks whose budget gave fewer micro-batches split evenly
