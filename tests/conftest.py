@@ -8,13 +8,14 @@ from pathlib import Path
 
 import pytest
 
+from llamarl.exec.testing import jsonl_file, shared_data_dir
+
 # Tests run with --import-mode=importlib: make `rank_handshake` (next to this file) importable, here
 # and in the processes the two-process tests spawn (they inherit sys.path).
 sys.path.insert(0, str(Path(__file__).parent))
 
 
 def _shared_data() -> Path:
-    from llamarl.exec.testing import shared_data_dir
 
     try:
         return shared_data_dir(__file__)
@@ -60,7 +61,7 @@ def tiny_model_dir(save_tiny_model) -> Path:
 @pytest.fixture(scope="session")
 def gsm8k_dir() -> Path:
     path = _shared_data() / "gsm8k"
-    if not (path / "train.jsonl").is_file():
+    if not jsonl_file(path / "train.jsonl").is_file():
         pytest.fail(f"the shared GSM8K copy is missing at {path}")
     return path
 
@@ -68,6 +69,6 @@ def gsm8k_dir() -> Path:
 @pytest.fixture(scope="session")
 def math_dir() -> Path:
     path = _shared_data() / "math"
-    if not (path / "train.jsonl").is_file():
+    if not jsonl_file(path / "train.jsonl").is_file():
         pytest.fail(f"the shared MATH copy is missing at {path}")
     return path

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
 from llamarl.exec.models import tiny_model
-from llamarl.exec.testing import TINY_EOS_TOKEN_ID, TINY_PAD_TOKEN_ID, TINY_VOCAB_SIZE, shared_data_dir
+from llamarl.exec.testing import (
+    TINY_EOS_TOKEN_ID,
+    TINY_PAD_TOKEN_ID,
+    TINY_VOCAB_SIZE,
+    jsonl_file,
+    read_jsonl,
+    shared_data_dir,
+)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -40,12 +46,6 @@ def _read_jsonl(relative: str, count: int) -> list[dict]:
         path = shared_data_dir(__file__) / relative
     except FileNotFoundError as exc:
         pytest.fail(str(exc))
-    if not path.is_file():
+    if not jsonl_file(path).is_file():
         pytest.fail(f"the shared data file {path} is missing")
-    rows = []
-    with path.open(encoding="utf-8") as f:
-        for line in f:
-            rows.append(json.loads(line))
-            if len(rows) == count:
-                break
-    return rows
+    return read_jsonl(path, count)

@@ -4,6 +4,8 @@ the tiny test model."""
 
 from __future__ import annotations
 
+import gzip
+import json
 import os
 import time
 from pathlib import Path
@@ -30,20 +32,42 @@ def failing_reward(completion: str, reference: str) -> float:
 
 
 def shared_data_dir(start: str | os.PathLike[str]) -> Path:
-    """The local copies of GSM8K / MATH / MATH-500 the tests read: ``$LLAMARL_DATA_DIR`` if set, else the
-    first ``shared/data`` folder beside ``start`` or one of its parents (the workspace keeps it beside
-    the checkout). Raises FileNotFoundError, saying how to point at it, when there is none."""
+    """The local copies of GSM8K and MATH the tests read: ``$LLAMARL_DATA_DIR`` if set, else the first
+    ``shared/data`` folder beside ``start`` or one of its parents (the workspace keeps it beside the
+    checkout), else the checkout's own ``apps/data`` (the gzip copies the apps ship, the same rows), so a
+    checkout anywhere runs its tests. Raises FileNotFoundError, saying how to point at one, when there is
+    none of them."""
     override = os.environ.get("LLAMARL_DATA_DIR")
     if override:
         return Path(override)
-    for folder in Path(start).resolve().parents:
-        candidate = folder / "shared" / "data"
-        if candidate.is_dir():
+    parents = Path(start).resolve().parents
+    candidates = [p / "shared" / "data" for p in parents] + [p / "apps" / "data" for p in parents]
+    for candidate in candidates:
+        if (candidate / "gsm8k").is_dir():
             return candidate
     raise FileNotFoundError(
-        f"no shared/data folder beside {start} or its parents; set LLAMARL_DATA_DIR to the folder holding "
-        "gsm8k/ and math/ (train.jsonl, test.jsonl)"
+        f"no shared/data or apps/data folder beside {start} or its parents; set LLAMARL_DATA_DIR to the "
+        "folder holding gsm8k/ and math/ (train.jsonl, test.jsonl)"
     )
+
+
+def jsonl_file(path: str | os.PathLike[str]) -> Path:
+    """`path` (a .jsonl file), or its gzip-compressed `path.gz` when only that exists (as in apps/data)."""
+    plain = Path(path)
+    packed = plain.with_name(plain.name + ".gz")
+    return packed if packed.is_file() and not plain.is_file() else plain
+
+
+def read_jsonl(path: str | os.PathLike[str], count: int | None = None) -> list[dict]:
+    """The first `count` rows (all when None) of a .jsonl file, or of its .gz copy (see `jsonl_file`)."""
+    path = jsonl_file(path)
+    rows: list[dict] = []
+    with (gzip.open if path.suffix == ".gz" else open)(path, "rt", encoding="utf-8") as f:
+        for line in f:
+            if count is not None and len(rows) == count:
+                break
+            rows.append(json.loads(line))
+    return rows
 
 
 REQUIRE_VLLM_ENV = "LLAMARL_REQUIRE_VLLM"
