@@ -15,7 +15,6 @@ count as the transformers runs.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
@@ -23,12 +22,12 @@ import torch
 
 
 def gsm8k_prompts(tokenizer, num_prompts: int) -> list[list[int]]:
-    from llamarl.exec.testing import shared_data_dir
+    from llamarl.exec.testing import read_jsonl, shared_data_dir
 
-    rows = (shared_data_dir(__file__) / "gsm8k" / "test.jsonl").read_text().splitlines()[:num_prompts]
+    rows = read_jsonl(shared_data_dir(__file__) / "gsm8k" / "test.jsonl", num_prompts)
     prompts = []
     for row in rows:
-        messages = [{"role": "user", "content": json.loads(row)["question"]}]
+        messages = [{"role": "user", "content": row["question"]}]
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
     return prompts

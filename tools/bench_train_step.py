@@ -37,7 +37,6 @@ import torch
 from llamarl.exec import PolicyTrainer, TrainerConfig, smollm2_path
 from llamarl.exec.types import RolloutBatch
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gsm8k" / "test.jsonl"
 LAYOUTS = {  # name -> trainer settings (pack_tokens of the packed ones is set from --pack-tokens)
     "padded": {"share_prompts": False},
     "shared": {"share_prompts": True},  # padded rows, each prompt forwarded once per group
@@ -58,18 +57,9 @@ def make_batch(
     tokenizer, *, prompts: int, samples: int, max_completion: int, uneven: bool, seed: int = 0
 ) -> RolloutBatch:
     """`prompts` GSM8K questions x `samples` random completions, right-padded to the longest."""
-    rows = [json.loads(line) for line in DATA.read_text().splitlines()[:prompts]]
-    ids = [
-        list(
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": r["question"]}],
-                add_generation_prompt=True,
-                tokenize=True,
-                return_dict=True,
-            )["input_ids"]
-        )
-        for r in rows
-    ]
+    from bench_generate import gsm8k_prompts  # (tools/, beside this script)
+
+    ids = gsm8k_prompts(tokenizer, prompts)
     width = max(map(len, ids))
     prompt_ids = torch.tensor([[0] * (width - len(p)) + p for p in ids for _ in range(samples)])
     prompt_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ids for _ in range(samples)])
