@@ -8,7 +8,6 @@ from llamarl_algo_testing import assert_close
 
 from llamarl.algo import (
     ADVANTAGE_NAMES,
-    gae_advantages,
     get_advantage_estimator,
     group_advantages,
     reinforce_pp_baseline_advantages,
@@ -67,39 +66,3 @@ def test_every_registered_estimator_runs_by_name():
     assert_close(
         get_advantage_estimator("group_mean_std", eps=1.0)(rewards_B[:2], 2), torch.tensor([1 / 3, -1 / 3])
     )
-
-
-def test_gae_hand_computed():
-    rewards_BT = torch.tensor([[0.0, 0.0, 1.0, 0.0]], dtype=torch.float64)
-    values_BT = torch.tensor([[0.5, 0.4, 0.6, 9.0]], dtype=torch.float64)
-    mask_BT = torch.tensor([[1, 1, 1, 0]])
-    gamma, lam = 0.9, 0.5
-    advantages_BT, returns_BT = gae_advantages(rewards_BT, values_BT, mask_BT, gamma=gamma, lam=lam)
-    d2 = 1.0 - 0.6
-    d1 = 0.0 + gamma * 0.6 - 0.4
-    d0 = 0.0 + gamma * 0.4 - 0.5
-    a2 = d2
-    a1 = d1 + gamma * lam * a2
-    a0 = d0 + gamma * lam * a1
-    assert_close(advantages_BT, torch.tensor([[a0, a1, a2, 0.0]], dtype=torch.float64))
-    assert_close(returns_BT, torch.tensor([[a0 + 0.5, a1 + 0.4, a2 + 0.6, 0.0]], dtype=torch.float64))
-
-
-def test_gae_with_lambda_one_and_gamma_one_is_return_minus_value():
-    rewards_BT = torch.tensor([[0.0, 0.5, 0.0, 1.0]])
-    values_BT = torch.tensor([[0.1, 0.2, 0.3, 0.4]])
-    advantages_BT, returns_BT = gae_advantages(rewards_BT, values_BT, torch.ones(1, 4), gamma=1.0, lam=1.0)
-    assert_close(returns_BT, torch.tensor([[1.5, 1.5, 1.0, 1.0]]))
-    assert_close(advantages_BT, returns_BT - values_BT)
-
-
-def test_gae_skips_masked_tokens_in_the_middle():
-    # A masked token (e.g. a tool's output) between two valid ones is skipped, not treated as an end.
-    rewards_BT = torch.tensor([[0.0, 7.0, 1.0]])
-    values_BT = torch.tensor([[0.2, 5.0, 0.3]])
-    with_hole, _ = gae_advantages(rewards_BT, values_BT, torch.tensor([[1, 0, 1]]), gamma=0.9, lam=0.8)
-    without, _ = gae_advantages(
-        rewards_BT[:, [0, 2]], values_BT[:, [0, 2]], torch.ones(1, 2), gamma=0.9, lam=0.8
-    )
-    assert_close(with_hole[:, [0, 2]], without)
-    assert with_hole[0, 1] == 0

@@ -1,21 +1,16 @@
-"""token_logprobs and entropy_from_logits: values against torch's unchunked reference, gradients,
+"""token_logprobs: values against torch's unchunked reference, gradients,
 temperature, extreme logits, low-precision inputs."""
 
 import pytest
 import torch
 from llamarl_algo_testing import assert_close
 
-from llamarl.algo import entropy_from_logits, token_logprobs
+from llamarl.algo import token_logprobs
 
 
 def _reference_logprobs(logits_BTV, token_ids_BT, temperature=1.0):
     logp_BTV = torch.log_softmax(logits_BTV.double() / temperature, dim=-1)
     return logp_BTV.gather(-1, token_ids_BT[..., None]).squeeze(-1)
-
-
-def _reference_entropy(logits_BTV, temperature=1.0):
-    logp_BTV = torch.log_softmax(logits_BTV.double() / temperature, dim=-1)
-    return -(logp_BTV.exp() * logp_BTV).sum(-1)
 
 
 @pytest.mark.parametrize("chunk_size", [1, 3, 4, 100])
@@ -72,29 +67,6 @@ def test_token_logprobs_extreme_logits_stay_finite():
     assert torch.isfinite(logits_BTV.grad).all()
 
 
-@pytest.mark.parametrize("chunk_size", [1, 4, 100])
-def test_entropy_matches_reference_and_gradcheck(chunk_size):
-    gen = torch.Generator().manual_seed(3)
-    logits_BTV = torch.randn(2, 3, 6, dtype=torch.float64, generator=gen, requires_grad=True)
-    entropy_BT = entropy_from_logits(logits_BTV, temperature=1.3, chunk_size=chunk_size)
-    assert_close(entropy_BT, _reference_entropy(logits_BTV.detach(), 1.3))
-    assert torch.autograd.gradcheck(
-        lambda x: entropy_from_logits(x, temperature=1.3, chunk_size=chunk_size), (logits_BTV,)
-    )
-
-
-def test_entropy_hand_computed_and_masked_vocabulary():
-    logits_BTV = torch.tensor(
-        [[[0.0, 0.0, 0.0, 0.0], [0.0, 0.0, -torch.inf, -torch.inf], [1e4, 0.0, 0.0, 0.0]]]
-    )
-    logits_BTV.requires_grad_()
-    entropy_BT = entropy_from_logits(logits_BTV)
-    expected = torch.tensor([[torch.log(torch.tensor(4.0)), torch.log(torch.tensor(2.0)), 0.0]])
-    assert_close(entropy_BT, expected)
-    entropy_BT.sum().backward()
-    assert torch.isfinite(logits_BTV.grad).all()
-
-
 def _largest_float32_saved_for_backward(fn, logits_BTV):
     sizes = []
 
@@ -108,14 +80,10 @@ def _largest_float32_saved_for_backward(fn, logits_BTV):
     return out, max(sizes, default=0)
 
 
-@pytest.mark.parametrize(
-    "fn",
-    [
-        lambda x: token_logprobs(x, torch.zeros(4, 64, dtype=torch.long), chunk_size=16),
-        lambda x: entropy_from_logits(x, chunk_size=16),
-    ],
-)
-def test_no_tokens_by_vocab_float32_copy_is_kept_for_backward(fn):
+def test_no_tokens_by_vocab_float32_copy_is_kept_for_backward():
+    def fn(x):
+        return token_logprobs(x, torch.zeros(4, 64, dtype=torch.long), chunk_size=16)
+
     # bf16 logits: the only (tokens x vocab) tensor saved is the caller's bf16 logits; float32 saved
     # tensors are per-token vectors.
     logits_BTV = torch.randn(4, 64, 1000).bfloat16().requires_grad_()
@@ -143,9 +111,6 @@ def test_non_contiguous_and_other_ranks_match_reference(chunk_size):
         logits_BTV.reshape(1, 3, 5, 9), token_ids_BT.reshape(1, 3, 5), chunk_size=chunk_size
     )
     assert_close(four_d, logprobs_BT[None])
-    entropy_BT = entropy_from_logits(logits_BTV, chunk_size=chunk_size)
-    assert_close(entropy_BT, _reference_entropy(logits_BTV.detach()))
-    assert_close(entropy_from_logits(logits_BTV[1], chunk_size=chunk_size), entropy_BT[1])
 
 
 def test_sliced_logits_are_not_copied():

@@ -10,7 +10,6 @@ from llamarl.algo import (
     masked_mean,
     masked_sum,
     sequence_mean,
-    sequence_sum,
     token_sum_over,
 )
 
@@ -20,7 +19,6 @@ def test_masked_reductions_hand_computed_and_nan_on_padding_does_not_leak():
     mask_BT = torch.tensor([[1, 1, 0], [1, 0, 0]])
     assert masked_sum(values_BT, mask_BT).item() == 7.0
     assert masked_mean(values_BT, mask_BT).item() == pytest.approx(7 / 3)
-    assert_close(sequence_sum(values_BT, mask_BT), torch.tensor([3.0, 4.0]))
     assert_close(sequence_mean(values_BT, mask_BT), torch.tensor([1.5, 4.0]))
     assert token_sum_over(values_BT, mask_BT, 7).item() == pytest.approx(1.0)
     # An empty mask gives 0, not nan.

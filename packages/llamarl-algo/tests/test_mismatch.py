@@ -45,8 +45,8 @@ def test_sequence_weights_over_the_cap(mode, expected):
 
 
 def test_token_truncation_on_reinforce_is_aipo():
-    # With no trainer_old_logprobs the trainer's current log-probs are pi_old: the corrected plain
-    # policy gradient is then exactly AIPO with rho = cap.
+    # The trainer's current log-probs (detached) are pi_old: the corrected plain policy gradient is
+    # then exactly AIPO with rho = cap.
     logprobs_BT = TRAINER_OLD_BT.clone().requires_grad_()
     advantages_B = torch.tensor([1.0, -0.5], dtype=torch.float64)
     corrected = with_mismatch_correction(policy_gradient_loss, mode="token_truncate", cap=2.0)
@@ -66,25 +66,24 @@ def test_matching_log_probs_leave_the_loss_unchanged():
     advantages_B = torch.tensor([1.0, -0.5], dtype=torch.float64)
     loss_fn = get_policy_loss("ppo_clip", mismatch_is="token_mask", mismatch_cap=2.0)
     counts = {"num_valid_tokens": 5, "num_sequences": 2}
-    loss, _ = loss_fn(
-        logprobs_BT, TRAINER_OLD_BT, advantages_B, MASK_BT, trainer_old_logprobs_BT=TRAINER_OLD_BT, **counts
-    )
-    plain, _ = ppo_clip_loss(logprobs_BT, TRAINER_OLD_BT, advantages_B, MASK_BT, **counts)
+    loss, _ = loss_fn(logprobs_BT, logprobs_BT.detach(), advantages_B, MASK_BT, **counts)
+    plain, _ = ppo_clip_loss(logprobs_BT, logprobs_BT.detach(), advantages_B, MASK_BT, **counts)
     assert_close(loss, plain)
 
 
 def test_correction_weights_each_token_of_the_inner_loss():
-    logprobs_BT = (TRAINER_OLD_BT + 0.05).requires_grad_()
+    logprobs_BT = TRAINER_OLD_BT.clone().requires_grad_()
     advantages_B = torch.tensor([1.0, -0.5], dtype=torch.float64)
     counts = {"num_valid_tokens": 5, "num_sequences": 2}
     loss_fn = get_policy_loss("ppo_clip", mismatch_is="token_truncate", mismatch_cap=2.0)
-    loss, _ = loss_fn(
-        logprobs_BT, BEHAVIOR_BT, advantages_B, MASK_BT, trainer_old_logprobs_BT=TRAINER_OLD_BT, **counts
-    )
+    loss, _ = loss_fn(logprobs_BT, BEHAVIOR_BT, advantages_B, MASK_BT, **counts)
+    (grad_BT,) = torch.autograd.grad(loss, logprobs_BT)
+    # pi_old is the current policy, so the inner ratio is 1 (inside the clip range): each token's term
+    # is -w * A * ratio with w = min(pi / mu, 2), a constant.
     weights_BT = torch.tensor([[0.5, 2.0, 1.0], [1.5, 1.2, 1.0]], dtype=torch.float64)
-    ratio_BT = torch.exp(logprobs_BT.detach() - TRAINER_OLD_BT)  # e^0.05, inside the clip range
-    expected = -(weights_BT * advantages_B[:, None] * ratio_BT * MASK_BT).sum() / 5
+    expected = -(weights_BT * advantages_B[:, None] * MASK_BT).sum() / 5
     assert_close(loss, expected)
+    assert_close(grad_BT, -(weights_BT * advantages_B[:, None] * MASK_BT) / 5)
 
 
 def test_unknown_mode_and_bad_cap():

@@ -6,7 +6,6 @@ See docs/algorithms.md for the formulas, their papers, and how to add a loss.
 """
 
 from llamarl.algo.advantages import (
-    gae_advantages,
     group_advantages,
     group_mean_advantages,
     group_mean_std_advantages,
@@ -14,14 +13,13 @@ from llamarl.algo.advantages import (
     rloo_advantages,
 )
 from llamarl.algo.kl import KL_ESTIMATORS, kl_k1, kl_k2, kl_k3, kl_penalty_loss
-from llamarl.algo.logprobs import entropy_from_logits, token_logprobs
+from llamarl.algo.logprobs import token_logprobs
 from llamarl.algo.masking import (
     expand_to_tokens,
     group_mean,
     masked_mean,
     masked_sum,
     sequence_mean,
-    sequence_sum,
     token_sum_over,
 )
 from llamarl.algo.mismatch import MISMATCH_MODES, mismatch_weights, with_mismatch_correction
@@ -47,7 +45,6 @@ from llamarl.algo.registry import (
     get_advantage_estimator,
     get_policy_loss,
 )
-from llamarl.algo.value_losses import clipped_value_loss
 
 __all__ = [
     "ADVANTAGE_NAMES",
@@ -61,12 +58,9 @@ __all__ = [
     "aipo_loss",
     "aipo_sequence_loss",
     "cispo_loss",
-    "clipped_value_loss",
     "dapo_loss",
     "dr_grpo_loss",
-    "entropy_from_logits",
     "expand_to_tokens",
-    "gae_advantages",
     "get_advantage_estimator",
     "get_policy_loss",
     "group_advantages",
@@ -88,7 +82,6 @@ __all__ = [
     "reinforce_pp_baseline_advantages",
     "rloo_advantages",
     "sequence_mean",
-    "sequence_sum",
     "token_logprobs",
     "token_sum_over",
     "with_mismatch_correction",

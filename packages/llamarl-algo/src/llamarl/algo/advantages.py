@@ -1,11 +1,11 @@
 """Advantage estimators.
 
 Shape legend:
-    B: sequences in the batch (num_prompts * group_size), T: tokens per sequence, G: group size,
+    B: sequences in the batch (num_prompts * group_size), G: group size,
     P: prompts (B // G).
 
 The samples of one prompt are contiguous in the batch: sequences [0, G) answer prompt 0, and so on.
-Every critic-free estimator here has the signature `(rewards_B, group_size) -> advantages_B` (extra
+Every estimator here has the signature `(rewards_B, group_size) -> advantages_B` (extra
 hyper-parameters keyword-only, with defaults) so that the registry can bind them by name.
 """
 
@@ -69,47 +69,3 @@ def reinforce_pp_baseline_advantages(
     [B] -> [B]. "The batch" is the tensor passed in: call it on the global batch's rewards."""
     centered_B = group_advantages(rewards_B, group_size)
     return (centered_B - centered_B.mean()) / (centered_B.std(correction=0) + eps)
-
-
-@torch.no_grad()
-def gae_advantages(
-    rewards_BT: Tensor,
-    values_BT: Tensor,
-    mask_BT: Tensor,
-    *,
-    gamma: float = 1.0,
-    lam: float = 0.95,
-) -> tuple[Tensor, Tensor]:
-    """Generalised advantage estimation (Schulman et al., 2016) over the valid tokens, and the returns
-    the critic regresses on.
-
-        delta_t = r_t + gamma V_{t+1} - V_t,   A_t = delta_t + gamma lam A_{t+1},   R_t = A_t + V_t
-
-    where t+1 is the next VALID token (padding and masked tokens in between, e.g. tool output, are
-    skipped) and V, A past the last valid token are 0.
-
-    Args:
-        rewards_BT: per-token rewards, usually the sequence reward on its last valid token, plus any
-            per-token penalty (e.g. KL).
-        values_BT: the critic's values V(s_t), detached.
-        mask_BT: valid tokens.
-        gamma: discount; lam: GAE's bias/variance trade-off (1 gives Monte Carlo returns minus V).
-
-    Returns:
-        (advantages_BT, returns_BT), 0 on masked tokens, no gradient.
-    """
-    dtype = torch.promote_types(torch.promote_types(rewards_BT.dtype, values_BT.dtype), torch.float32)
-    rewards_BT, values_BT, valid_BT = rewards_BT.to(dtype), values_BT.to(dtype), mask_BT.bool()
-    advantages_BT = torch.zeros_like(values_BT)
-    next_value_B = torch.zeros_like(values_BT[:, 0])
-    next_advantage_B = torch.zeros_like(next_value_B)
-    for t in reversed(range(values_BT.shape[-1])):
-        valid_B = valid_BT[:, t]
-        delta_B = rewards_BT[:, t] + gamma * next_value_B - values_BT[:, t]
-        advantage_B = delta_B + gamma * lam * next_advantage_B
-        advantages_BT[:, t] = torch.where(valid_B, advantage_B, 0.0)
-        # A masked token neither starts nor breaks the recursion: carry the next valid token's values.
-        next_value_B = torch.where(valid_B, values_BT[:, t], next_value_B)
-        next_advantage_B = torch.where(valid_B, advantage_B, next_advantage_B)
-    returns_BT = torch.where(valid_BT, advantages_BT + values_BT, 0.0)
-    return advantages_BT, returns_BT

@@ -9,8 +9,6 @@ With tokens y ~ pi and log r = log pi_ref(y) - log pi(y) (Schulman, "Approximati
     k1 = -log r                unbiased, high variance, can be negative
     k2 = (log r)^2 / 2         biased (exact to second order), low variance, >= 0
     k3 = r - 1 - log r         unbiased, low variance, >= 0 (GRPO's KL penalty)
-
-Entropy from logits is `llamarl.algo.logprobs.entropy_from_logits` (chunked over the vocabulary).
 """
 
 from __future__ import annotations
@@ -20,10 +18,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from llamarl.algo.masking import masked_mean, token_sum_over
-
-LOG_RATIO_LIMIT = 20.0
-"""|log r| is clamped before exp so that k3 stays finite for log-probs of -1e4."""
+from llamarl.algo.masking import LOG_RATIO_LIMIT, masked_mean, token_sum_over
 
 
 def _log_ratio(logprobs_BT: Tensor, ref_logprobs_BT: Tensor) -> Tensor:

@@ -1,12 +1,12 @@
-"""Log-probabilities of sampled tokens and entropy, computed from logits in chunks.
+"""Log-probabilities of sampled tokens, computed from logits in chunks.
 
 Shape legend:
     B: sequences in the batch, T: tokens per sequence (padded), V: vocabulary size,
     b, t: the sequences and tokens of one chunk (b * t <= chunk_size, or one row's slice of T).
 
-Why chunks and custom autograd functions: with a 150k-token vocabulary, a float32 copy of the logits
-of every token (B x T x V x 4 bytes) is larger than the bf16 logits themselves. Both the forward and the
-backward pass here work on about `chunk_size` tokens at a time, upcast only that chunk to float32, and
+Why chunks and a custom autograd function: with a 150k-token vocabulary, a float32 copy of the logits
+of every token (B x T x V x 4 bytes) is larger than the bf16 logits themselves. Its forward and
+backward passes work on about `chunk_size` tokens at a time, upcast only that chunk to float32, and
 save nothing of size B x T x V for the backward pass except the logits the caller already holds.
 
 Chunks are taken as views of the [B, T, V] logits, never through a flattening reshape: logits sliced
@@ -131,59 +131,3 @@ def token_logprobs(
         int(chunk_size),
     )
     return logprobs_BT.view(token_ids_BT.shape)
-
-
-class _Entropy(torch.autograd.Function):
-    """Entropy of softmax(logits / temperature) per token, chunked in forward and backward."""
-
-    @staticmethod
-    def forward(ctx, logits_BTV: Tensor, temperature: float, chunk_size: int) -> Tensor:
-        num_sequences, num_tokens, _ = logits_BTV.shape
-        compute_dtype = _compute_dtype(logits_BTV.dtype)
-        entropy_BT = logits_BTV.new_empty((num_sequences, num_tokens), dtype=compute_dtype)
-        for chunk in _chunks(num_sequences, num_tokens, chunk_size):
-            logp_btV = torch.log_softmax(logits_BTV[chunk].to(compute_dtype) / temperature, dim=-1)
-            # p * log p is 0 where p is 0 (e.g. logits of -inf), not nan.
-            plogp_btV = torch.where(logp_btV > -torch.inf, logp_btV.exp() * logp_btV, 0.0)
-            entropy_BT[chunk] = -plogp_btV.sum(-1)
-        ctx.save_for_backward(logits_BTV, entropy_BT)
-        ctx.temperature = temperature
-        ctx.chunk_size = chunk_size
-        return entropy_BT
-
-    @staticmethod
-    def backward(ctx, grad_BT: Tensor):
-        logits_BTV, entropy_BT = ctx.saved_tensors
-        temperature, chunk_size = ctx.temperature, ctx.chunk_size
-        compute_dtype = _compute_dtype(logits_BTV.dtype)
-        grad_logits_BTV = torch.empty(logits_BTV.shape, dtype=logits_BTV.dtype, device=logits_BTV.device)
-        for chunk in _chunks(logits_BTV.shape[0], logits_BTV.shape[1], chunk_size):
-            # dH/dz_j = -p_j (log p_j + H) with z = logits / T.
-            logp_btV = torch.log_softmax(logits_BTV[chunk].to(compute_dtype) / temperature, dim=-1)
-            probs_btV = logp_btV.exp()
-            centered_btV = torch.where(probs_btV > 0, logp_btV + entropy_BT[chunk][..., None], 0.0)
-            scale_bt1 = grad_BT[chunk][..., None].to(compute_dtype) / temperature
-            grad_logits_BTV[chunk] = (-probs_btV * centered_btV * scale_bt1).to(grad_logits_BTV.dtype)
-        return grad_logits_BTV, None, None
-
-
-def entropy_from_logits(
-    logits_BTV: Tensor,
-    *,
-    temperature: float = 1.0,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-) -> Tensor:
-    """Entropy H = -sum_v p_v log p_v of softmax(logits / temperature) at every position.
-
-    Args:
-        logits_BTV: logits, any float dtype, contiguous or not; [T, V] and [..., T, V] work too.
-        temperature: the sampling temperature.
-        chunk_size: tokens upcast to float32 at a time.
-
-    Returns:
-        entropy_BT, float32 (float64 for float64 logits), differentiable with respect to `logits_BTV`.
-    """
-    if temperature <= 0:
-        raise ValueError(f"temperature must be positive, got {temperature}")
-    entropy_BT = _Entropy.apply(_as_3d(logits_BTV), float(temperature), int(chunk_size))
-    return entropy_BT.view(logits_BTV.shape[:-1])

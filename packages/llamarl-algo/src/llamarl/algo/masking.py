@@ -14,6 +14,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+LOG_RATIO_LIMIT = 20.0
+"""|log ratio| is clamped to this before exp: exp(20) ~ 5e8 keeps the ratio finite in float32 even for
+log-probs of -1e4. A token that far off-policy is truncated or clipped anyway; where a clipped loss would
+still differentiate its ratio (PPO with A < 0), the clamp stops that gradient, which is the safe side."""
+
 
 def masked_sum(values: Tensor, mask: Tensor, dim: int | tuple[int, ...] | None = None) -> Tensor:
     """Sum of `values` where `mask` is set (shapes broadcast); over all elements when `dim` is None."""
@@ -53,11 +58,6 @@ def token_sum_over(values_BT: Tensor, mask_BT: Tensor, denominator: int | float)
 def sequence_mean(values_BT: Tensor, mask_BT: Tensor) -> Tensor:
     """Per-sequence mean over the valid tokens: [B, T] -> [B] (0 for a sequence with no valid token)."""
     return masked_mean(values_BT, mask_BT, dim=-1)
-
-
-def sequence_sum(values_BT: Tensor, mask_BT: Tensor) -> Tensor:
-    """Per-sequence sum over the valid tokens: [B, T] -> [B]."""
-    return masked_sum(values_BT, mask_BT, dim=-1)
 
 
 def group_view(values_B: Tensor, group_size: int) -> Tensor:

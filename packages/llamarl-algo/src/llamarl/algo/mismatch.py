@@ -22,15 +22,12 @@ pi_old as its "old" log-probs. Weights are detached.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
-from llamarl.algo.masking import expand_to_tokens, masked_max, masked_mean
-
-LOG_RATIO_LIMIT = 20.0
+from llamarl.algo.masking import LOG_RATIO_LIMIT, expand_to_tokens, masked_max, masked_mean
 
 
 def _token_log_ratio(
@@ -128,12 +125,11 @@ def with_mismatch_correction(
 ) -> Callable[..., tuple[Tensor, dict[str, Tensor]]]:
     """Wrap a policy loss so that it corrects the generator/trainer mismatch.
 
-    The wrapped loss has the uniform `PolicyLoss` signature plus an optional keyword
-    `trainer_old_logprobs_BT` (pi_old, detached). It computes the weights pi_old / mu from it and the
-    `behavior_logprobs_BT` (mu), scales the advantages by them, and calls `loss_fn` with pi_old as the
-    old log-probs. Without `trainer_old_logprobs_BT` it uses the current log-probs, detached: exactly
-    pi_old when the trainer takes one optimizer step per batch (LlamaRL's setting), where the inner loss's
-    ratio is then 1 and the correction carries all the off-policyness.
+    The wrapped loss has the uniform `PolicyLoss` signature. pi_old is the current log-probs, detached:
+    exactly the policy before the update, since the trainer takes one optimizer step per batch
+    (LlamaRL's setting). It computes the weights pi_old / mu against `behavior_logprobs_BT` (mu), scales
+    the advantages by them, and calls `loss_fn` with pi_old as the old log-probs, so the inner loss's
+    ratio is 1 and the correction carries all the off-policyness.
 
     Metrics: the inner loss's, with its `mismatch_kl` renamed `policy_kl` (it measures pi vs pi_old),
     plus those of `mismatch_weights`.
@@ -143,7 +139,6 @@ def with_mismatch_correction(
     if cap <= 0:
         raise ValueError(f"cap must be positive, got {cap}")
 
-    @functools.wraps(loss_fn)
     def corrected_loss(
         logprobs_BT: Tensor,
         behavior_logprobs_BT: Tensor,
@@ -152,10 +147,8 @@ def with_mismatch_correction(
         *,
         num_valid_tokens: int,
         num_sequences: int,
-        trainer_old_logprobs_BT: Tensor | None = None,
     ) -> tuple[Tensor, dict[str, Tensor]]:
-        old_logprobs_BT = logprobs_BT if trainer_old_logprobs_BT is None else trainer_old_logprobs_BT
-        old_logprobs_BT = old_logprobs_BT.detach()
+        old_logprobs_BT = logprobs_BT.detach()
         weights, mismatch_metrics = mismatch_weights(
             old_logprobs_BT, behavior_logprobs_BT, mask_BT, mode=mode, cap=cap
         )
@@ -177,6 +170,4 @@ def with_mismatch_correction(
         metrics.update(mismatch_metrics)
         return loss, metrics
 
-    # functools.wraps would make inspect report the inner loss's signature; this one differs.
-    del corrected_loss.__wrapped__
     return corrected_loss

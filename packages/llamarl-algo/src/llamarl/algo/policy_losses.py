@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from llamarl.algo.masking import (
+    LOG_RATIO_LIMIT,
     expand_to_tokens,
     masked_max,
     masked_mean,
@@ -38,11 +39,6 @@ from llamarl.algo.masking import (
     sequence_mean,
     token_sum_over,
 )
-
-LOG_RATIO_LIMIT = 20.0
-"""|log ratio| is clamped to this before exp: exp(20) ~ 5e8 keeps the ratio finite in float32 even for
-log-probs of -1e4. A token that far off-policy is truncated or clipped anyway; where a clipped loss would
-still differentiate its ratio (PPO with A < 0), the clamp stops that gradient, which is the safe side."""
 
 
 def _log_ratio(logprobs_BT: Tensor, behavior_logprobs_BT: Tensor, mask_BT: Tensor) -> Tensor:
@@ -223,8 +219,8 @@ def ppo_clip_loss(
     """PPO-clip (Schulman et al., 2017), symmetric clip, token-level mean.
 
     r_t = pi(y_t) / pi_old(y_t);  loss = -sum_{valid t} min(r_t A_t, clip(r_t, 1 - eps, 1 + eps) A_t)
-    / num_valid_tokens. `behavior_logprobs_BT` are the old log-probs. Use with GAE advantages ([B, T])
-    and `clipped_value_loss` for a critic, or with any critic-free advantage ([B]).
+    / num_valid_tokens. `behavior_logprobs_BT` are the old log-probs. Advantages are per sequence ([B])
+    or per token ([B, T]).
     """
     del num_sequences
     objective_BT, metrics = _token_clipped_terms(

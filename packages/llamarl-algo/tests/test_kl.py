@@ -1,4 +1,4 @@
-"""KL estimators, the KL penalty and the clipped value loss."""
+"""KL estimators and the KL penalty."""
 
 import math
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from llamarl_algo_testing import assert_close
 
-from llamarl.algo import KL_ESTIMATORS, clipped_value_loss, kl_k1, kl_k2, kl_k3, kl_penalty_loss
+from llamarl.algo import KL_ESTIMATORS, kl_k1, kl_k2, kl_k3, kl_penalty_loss
 
 
 def test_kl_estimators_hand_computed():
@@ -77,56 +77,3 @@ def test_kl_penalty_gradient_masking_extremes_and_micro_batches(estimator):
     assert torch.isfinite(extreme)
     with pytest.raises(ValueError, match="k1, k2, k3"):
         kl_penalty_loss(logprobs_BT, ref_BT, mask_BT, estimator="k4", num_valid_tokens=6)
-
-
-def test_clipped_value_loss_hand_computed_and_gradient():
-    values_BT = torch.tensor([[1.0, 0.0, 0.5]], dtype=torch.float64, requires_grad=True)
-    old_BT = torch.tensor([[0.5, 0.0, 0.0]], dtype=torch.float64)
-    returns_BT = torch.tensor([[0.0, 1.0, 0.0]], dtype=torch.float64)
-    mask_BT = torch.tensor([[1, 1, 0]])
-    loss, metrics = clipped_value_loss(
-        values_BT, old_BT, returns_BT, mask_BT, clip_eps=0.2, num_valid_tokens=2
-    )
-    # token 0: V=1 moved 0.5 from 0.5 -> clipped V=0.7; errors 1.0 vs 0.49 -> max 1.0 (unclipped)
-    # token 1: V=0 == old; error 1.0 both.
-    assert_close(loss, torch.tensor(0.5 * (1.0 + 1.0) / 2, dtype=torch.float64))
-    (grad,) = torch.autograd.grad(loss, values_BT)
-    assert_close(grad, torch.tensor([[0.5, -0.5, 0.0]], dtype=torch.float64))
-    assert_close(metrics["value_clipped_fraction"], torch.tensor(0.0, dtype=torch.float64))
-
-
-def test_clipped_value_loss_stops_the_gradient_when_clipped():
-    values_BT = torch.tensor([[1.0]], dtype=torch.float64, requires_grad=True)
-    old_BT = torch.tensor([[2.0]], dtype=torch.float64)
-    returns_BT = torch.tensor([[0.0]], dtype=torch.float64)
-    # Clipped value 1.8 is further from the target than 1.0: the max picks it and V gets no gradient.
-    loss, metrics = clipped_value_loss(
-        values_BT, old_BT, returns_BT, torch.ones(1, 1), clip_eps=0.2, num_valid_tokens=1
-    )
-    assert_close(loss, torch.tensor(0.5 * 1.8**2, dtype=torch.float64))
-    (grad,) = torch.autograd.grad(loss, values_BT)
-    assert grad.item() == 0.0
-    assert_close(metrics["value_clipped_fraction"], torch.tensor(1.0, dtype=torch.float64))
-    assert torch.autograd.gradcheck(
-        lambda v: clipped_value_loss(v, old_BT * 0.5, returns_BT, torch.ones(1, 1), num_valid_tokens=1)[0],
-        (values_BT,),
-    )
-
-
-def test_clipped_value_loss_micro_batches_and_masking():
-    gen = torch.Generator().manual_seed(2)
-    values_BT = torch.randn(4, 3, generator=gen, dtype=torch.float64, requires_grad=True)
-    old_BT = values_BT.detach() + 0.3 * torch.randn(4, 3, generator=gen, dtype=torch.float64)
-    returns_BT = torch.randn(4, 3, generator=gen, dtype=torch.float64)
-    mask_BT = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0], [0, 0, 0]])
-    full, _ = clipped_value_loss(values_BT, old_BT, returns_BT, mask_BT, num_valid_tokens=6)
-    parts = sum(
-        clipped_value_loss(values_BT[s], old_BT[s], returns_BT[s], mask_BT[s], num_valid_tokens=6)[0]
-        for s in (slice(0, 1), slice(1, 4))
-    )
-    assert_close(parts, full)
-    garbage_returns_BT = torch.where(mask_BT.bool(), returns_BT, torch.inf)
-    masked, _ = clipped_value_loss(values_BT, old_BT, garbage_returns_BT, mask_BT, num_valid_tokens=6)
-    assert_close(masked, full)
-    (grad,) = torch.autograd.grad(masked, values_BT)
-    assert (grad[~mask_BT.bool()] == 0).all()
