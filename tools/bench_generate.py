@@ -83,7 +83,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from llamarl.exec import HFGenerator, HFGeneratorConfig, VLLMGenerator, VLLMGeneratorConfig, smollm2_path
+    from llamarl.exec import GeneratorConfig, HFGenerator, SamplingConfig, VLLMGenerator, smollm2_path
 
     model_dir = args.model or str(smollm2_path())
     torch.set_num_threads(args.threads)
@@ -92,14 +92,12 @@ def main() -> None:
     runs = {
         "plain": lambda: bench_plain(model_dir, prompts, args.max_new_tokens),
         "hf": lambda: bench_generator(
-            HFGenerator(HFGeneratorConfig(model=model_dir, temperature=1.0, seed=0)),
+            HFGenerator(model_dir, SamplingConfig(), seed=0),
             prompts,
             args.max_new_tokens,
         ),
         "vllm": lambda: bench_generator(
-            VLLMGenerator(
-                VLLMGeneratorConfig(model=model_dir, temperature=1.0, seed=0, num_threads=args.threads)
-            ),
+            VLLMGenerator(model_dir, SamplingConfig(), GeneratorConfig(), seed=0, num_threads=args.threads),
             prompts,
             args.max_new_tokens,
         ),

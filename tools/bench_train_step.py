@@ -34,7 +34,8 @@ from pathlib import Path
 
 import torch
 
-from llamarl.exec import PolicyTrainer, TrainerConfig, smollm2_path
+from llamarl.exec import PolicyTrainer, smollm2_path
+from llamarl.exec.testing import build_trainer
 from llamarl.exec.types import RolloutBatch
 
 LAYOUTS = {  # name -> trainer settings (pack_tokens of the packed ones is set from --pack-tokens)
@@ -43,7 +44,7 @@ LAYOUTS = {  # name -> trainer settings (pack_tokens of the packed ones is set f
     "packed": {"share_prompts": False},  # packed rows, each sequence with its own prompt
     "packed_shared": {"share_prompts": True},  # packed rows, each group's prompt laid once
     # the same with activation checkpointing, as TRL's defaults run
-    "packed_shared_checkpointed": {"share_prompts": True, "gradient_checkpointing": True},
+    "packed_shared_checkpointed": {"share_prompts": True, "activation_checkpointing": True},
 }
 
 
@@ -145,11 +146,10 @@ def _trl_step(model: str, batch: RolloutBatch, args, output_dir: str, **override
     return step
 
 
-def _config(model: str, layout: str, args) -> TrainerConfig:
+def _trainer(model: str, layout: str, args, group) -> PolicyTrainer:
     settings = dict(LAYOUTS[layout])
-    if layout.startswith("packed"):
-        settings["pack_tokens"] = args.pack_tokens
-    return TrainerConfig(model=model, micro_batch_size=args.micro_batch_size, **settings)
+    settings["pack_tokens"] = args.pack_tokens if layout.startswith("packed") else 0
+    return build_trainer(model, micro_batch_size=args.micro_batch_size, group=group, **settings)
 
 
 def _time_steps(step, repeats: int, warmup: bool, barrier=None) -> tuple[float, float]:
@@ -185,7 +185,7 @@ def _case(rank: int, world_size: int, rdv, model: str, layout: str, batch, args)
                 dist.init_process_group("gloo", init_method=rdv.init_method, rank=rank, world_size=world_size)
                 group, barrier = dist.group.WORLD, dist.barrier
                 batch = batch.data_parallel_part(rank, world_size)
-            trainer = PolicyTrainer(_config(model, layout, args), group=group)
+            trainer = _trainer(model, layout, args, group)
             trainer.setup()
             step = partial(trainer.train_step, batch)
         seconds, cpu_seconds = _time_steps(step, args.repeats, args.warmup, barrier)

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from llamarl.exec import ProcessRewarder, RewarderConfig, extract_gsm8k_answer, gsm8k_reward, math_reward
+from llamarl.exec import ProcessRewarder, RewardConfig, extract_gsm8k_answer, gsm8k_reward, math_reward
 from llamarl.exec.testing import failing_reward, slow_reward
 
 
@@ -55,7 +55,7 @@ def test_process_rewarder_scores_in_order(shared_rows):
     rows = shared_rows("gsm8k/test.jsonl", 4)
     completions = [f"#### {r['answer'].rsplit('####', 1)[1].strip()}" for r in rows]
     completions[1] = "#### 123456789"
-    with ProcessRewarder(RewarderConfig(reward_fn="gsm8k", num_workers=2, timeout_s=30)) as rewarder:
+    with ProcessRewarder("gsm8k", RewardConfig(num_workers=2, timeout_s=30)) as rewarder:
         assert rewarder.score(completions, [r["answer"] for r in rows]) == [1.0, 0.0, 1.0, 1.0]
         assert rewarder.score([], []) == []
 
@@ -64,26 +64,26 @@ def test_process_rewarder_runs_math_verify_in_its_workers(shared_rows):
     rows = shared_rows("math/test.jsonl", 3)
     completions = [row["solution"] for row in rows]
     completions[0] = "The answer is \\boxed{12345}."
-    with ProcessRewarder(RewarderConfig(reward_fn="math", num_workers=1, timeout_s=60)) as rewarder:
+    with ProcessRewarder("math", RewardConfig(num_workers=1, timeout_s=60)) as rewarder:
         assert rewarder.score(completions, [row["answer"] for row in rows]) == [0.0, 1.0, 1.0]
 
 
 def test_a_slow_sample_times_out_and_its_worker_is_replaced():
-    with ProcessRewarder(RewarderConfig(reward_fn=slow_reward, num_workers=2, timeout_s=1.0)) as rewarder:
+    with ProcessRewarder(slow_reward, RewardConfig(num_workers=2, timeout_s=1.0)) as rewarder:
         rewarder.score(["warm up"], ["x"])  # workers started and ready
         start = time.monotonic()
         scores = rewarder.score(["sleep 60", "fast", "fast", "fast"], ["x"] * 4)
         elapsed = time.monotonic() - start
         assert scores == [0.0, 1.0, 1.0, 1.0]
         assert elapsed < 10, "the hung sample must not block the batch"
-        assert rewarder.num_timeouts == 1 and rewarder.last_metrics["num_timeouts"] == 1
+        assert rewarder.num_timeouts == 1
         assert rewarder.score(["fast", "fast"], ["x", "x"]) == [1.0, 1.0]  # the replacement works
 
 
 def test_a_failing_verifier_scores_zero_with_a_warning(caplog):
     with (
         caplog.at_level(logging.WARNING, logger="llamarl.exec.reward_pool"),
-        ProcessRewarder(RewarderConfig(reward_fn=failing_reward, num_workers=2, timeout_s=30)) as rewarder,
+        ProcessRewarder(failing_reward, RewardConfig(num_workers=2, timeout_s=30)) as rewarder,
     ):
         scores = rewarder.score(["raise", "ok", "die", "ok"], ["x"] * 4)
         assert scores == [0.0, 1.0, 0.0, 1.0]
@@ -95,4 +95,4 @@ def test_a_failing_verifier_scores_zero_with_a_warning(caplog):
 
 def test_unknown_reward_name_fails_fast():
     with pytest.raises(ValueError, match="valid names: gsm8k, math"):
-        ProcessRewarder(RewarderConfig(reward_fn="nope"))
+        ProcessRewarder("nope", RewardConfig())

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llamarl.exec import HFGenerator, HFGeneratorConfig, PolicyTrainer, TrainerConfig, smollm2_path
+from llamarl.exec import HFGenerator, SamplingConfig, smollm2_path
 from llamarl.exec.models import load_model_and_tokenizer
+from llamarl.exec.testing import build_trainer
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]  # a first conversion takes ~1.5 min
 
@@ -33,7 +34,7 @@ def test_greedy_answers_with_the_chat_template(smollm2_dir, shared_rows):
         [{"role": "user", "content": "What is 2+3? Answer briefly."}],
     ]
     prompts = [tokenizer.apply_chat_template(c, add_generation_prompt=True, return_dict=False) for c in chats]
-    gen = HFGenerator(HFGeneratorConfig(model=str(smollm2_dir)))
+    gen = HFGenerator(str(smollm2_dir), SamplingConfig())
     gen.setup()
     assert gen.eos_token_ids == [tokenizer.convert_tokens_to_ids("<|im_end|>")]
     batch = gen.generate(prompts, samples_per_prompt=1, max_new_tokens=12, greedy=True)
@@ -48,7 +49,7 @@ def test_greedy_answers_with_the_chat_template(smollm2_dir, shared_rows):
     assert "5" in texts[1], texts  # the short prompt is left-padded in this batch and still answered
     # On the real model too, the behaviour log-probs are the trainer's log-probs of the same tokens.
     sampled = gen.generate(prompts, samples_per_prompt=2, max_new_tokens=8)
-    trainer = PolicyTrainer(TrainerConfig(model=str(smollm2_dir), micro_batch_size=4))
+    trainer = build_trainer(str(smollm2_dir))
     trainer.setup()
     torch.testing.assert_close(
         trainer.compute_logprobs(sampled), sampled.behavior_logprobs_BC, atol=2e-4, rtol=1e-4

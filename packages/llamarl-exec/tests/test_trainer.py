@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llamarl.exec import HFGenerator, HFGeneratorConfig, PolicyTrainer, TrainerConfig
-from llamarl.exec.testing import TINY_EOS_TOKEN_ID
+from llamarl.exec import HFGenerator, PolicyTrainer, SamplingConfig
+from llamarl.exec.testing import TINY_EOS_TOKEN_ID, build_trainer
 
 PROMPTS = [[1, 5, 9, 13, 17], [1, 7], [1, 3, 4, 30, 31, 32, 33, 8]]
 TEMPERATURE = 0.8
@@ -16,9 +16,10 @@ TEMPERATURE = 0.8
 def batch(tiny_model_dir):
     """A rollout of the tiny model (3 prompts x 2 samples) with rewards 1 for the first sample of each."""
     gen = HFGenerator(
-        HFGeneratorConfig(
-            model=str(tiny_model_dir), temperature=TEMPERATURE, seed=3, eos_token_ids=[TINY_EOS_TOKEN_ID, 50]
-        )
+        str(tiny_model_dir),
+        SamplingConfig(temperature=TEMPERATURE),
+        seed=3,
+        eos_token_ids=[TINY_EOS_TOKEN_ID, 50],
     )
     gen.setup()
     rollout = gen.generate(PROMPTS, samples_per_prompt=2, max_new_tokens=10)
@@ -28,9 +29,10 @@ def batch(tiny_model_dir):
 
 
 def _trainer(tiny_model_dir, **overrides) -> PolicyTrainer:
-    config = dict(model=str(tiny_model_dir), temperature=TEMPERATURE, lr=1e-2, max_grad_norm=1.0, seed=0)
+    # Padded rows unless a test packs: most tests here are about micro_batch_size.
+    config = dict(temperature=TEMPERATURE, lr=1e-2, max_grad_norm=1.0, seed=0, pack_tokens=0)
     config.update(overrides)
-    trainer = PolicyTrainer(TrainerConfig(**config))
+    trainer = build_trainer(str(tiny_model_dir), **config)
     trainer.setup()
     return trainer
 
@@ -81,17 +83,18 @@ def test_gradient_clipping_bounds_the_update(tiny_model_dir, batch):
 
 
 def test_unknown_loss_or_hyperparameter_fails_at_construction(tiny_model_dir):
-    with pytest.raises(ValueError, match="unknown policy loss"):
-        PolicyTrainer(TrainerConfig(model=str(tiny_model_dir), loss="nope"))
+    with pytest.raises(ValueError, match="aipo"):  # the error lists the valid names
+        build_trainer(str(tiny_model_dir), loss="nope")
     with pytest.raises(ValueError, match="no hyper-parameter"):
-        PolicyTrainer(TrainerConfig(model=str(tiny_model_dir), loss_hparams={"rhoo": 2.0}))
+        build_trainer(str(tiny_model_dir), loss_hparams={"rhoo": 2.0})
 
 
 def test_shared_prompt_forward_matches_the_full_forward(tiny_model_dir, batch):
     """Running each prompt once per group (keys/values reused) gives the same log-probs and gradients."""
     shared = _trainer(tiny_model_dir, micro_batch_size=4, share_prompts=True)  # groups of 2: shared
     full = _trainer(tiny_model_dir, micro_batch_size=4, share_prompts=False)
-    assert shared._can_share_prompts(batch.prompt_ids_BP[:4], batch.prompt_mask_BP[:4], batch.group_size)
+    can_share = shared.forward._can_share_prompts
+    assert can_share(batch.prompt_ids_BP[:4], batch.prompt_mask_BP[:4], batch.group_size)
     torch.testing.assert_close(
         shared.compute_logprobs(batch), full.compute_logprobs(batch), rtol=1e-5, atol=1e-5
     )
@@ -107,8 +110,9 @@ def test_shared_prompt_forward_matches_the_full_forward(tiny_model_dir, batch):
 def test_prompt_sharing_falls_back_when_a_group_is_split(tiny_model_dir, batch):
     trainer = _trainer(tiny_model_dir, micro_batch_size=3)
     # Rows 0..2 hold one whole group and half of the next: not shareable, so the full forward runs.
-    assert not trainer._can_share_prompts(batch.prompt_ids_BP[:3], batch.prompt_mask_BP[:3], batch.group_size)
-    assert not trainer._can_share_prompts(batch.prompt_ids_BP[1:3], batch.prompt_mask_BP[1:3], 2)
+    can_share = trainer.forward._can_share_prompts
+    assert not can_share(batch.prompt_ids_BP[:3], batch.prompt_mask_BP[:3], batch.group_size)
+    assert not can_share(batch.prompt_ids_BP[1:3], batch.prompt_mask_BP[1:3], 2)
 
 
 @pytest.mark.parametrize("share_prompts", [False, True], ids=["one_prompt_per_sample", "shared_prompts"])
@@ -126,7 +130,7 @@ def test_packed_micro_batches_match_the_padded_path(tiny_model_dir, batch, monke
     packed = _trainer(tiny_model_dir, pack_tokens=28 if share_prompts else 24, share_prompts=share_prompts)
     assert packed.model.config._attn_implementation == varlen_attention.VARLEN_ATTENTION
     assert padded.model.config._attn_implementation != varlen_attention.VARLEN_ATTENTION
-    rows = packed._micro_batch_rows(batch)
+    rows = packed.forward.micro_batches(batch)
     assert len(rows) > 1 and any(r.stop - r.start > 1 for r in rows)  # several rows, some packed
     laid = []  # per layer call: (segments, tokens in the row)
     row_attention = varlen_attention._row_attention

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from llamarl.comm.testing import run_distributed
-from llamarl.exec import HFGenerator, HFGeneratorConfig, PolicyTrainer, TrainerConfig
-from llamarl.exec.testing import TINY_EOS_TOKEN_ID
+from llamarl.exec import HFGenerator, PolicyTrainer, SamplingConfig
+from llamarl.exec.testing import TINY_EOS_TOKEN_ID, build_trainer
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -20,9 +20,7 @@ PROMPTS = [[1, 5, 9, 13, 17], [1, 7], [1, 3, 4, 30, 31, 32, 33, 8], [1, 11, 12]]
 @pytest.fixture(scope="module")
 def batch(tiny_model_dir):
     """4 prompts x 2 samples of the tiny model, uneven lengths, rewards 1 for the first of each pair."""
-    gen = HFGenerator(
-        HFGeneratorConfig(model=str(tiny_model_dir), seed=5, eos_token_ids=[TINY_EOS_TOKEN_ID, 50])
-    )
+    gen = HFGenerator(str(tiny_model_dir), SamplingConfig(), seed=5, eos_token_ids=[TINY_EOS_TOKEN_ID, 50])
     gen.setup()
     rollout = gen.generate(PROMPTS, samples_per_prompt=2, max_new_tokens=10)
     gen.close()
@@ -30,15 +28,15 @@ def batch(tiny_model_dir):
     return rollout
 
 
-def _config(model_dir: str, **overrides) -> TrainerConfig:
+def _trainer(model_dir: str, group=None, **overrides) -> PolicyTrainer:
     # Half the batch per micro-batch: the single-rank trainer's two micro-batches are the two ranks' parts.
-    config = dict(model=model_dir, lr=1e-2, seed=0, micro_batch_size=4, share_prompts=False)
+    config = dict(lr=1e-2, seed=0, pack_tokens=0, micro_batch_size=4, share_prompts=False)
     config.update(overrides)
-    return TrainerConfig(**config)
+    return build_trainer(model_dir, group=group, **config)
 
 
 def _single_rank_grads(model_dir: str, batch) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-    trainer = PolicyTrainer(_config(model_dir))
+    trainer = _trainer(model_dir)
     trainer.setup()
     metrics = trainer.accumulate_gradients(batch)
     return {n: p.grad.clone() for n, p in trainer.model.named_parameters()}, metrics
@@ -51,7 +49,7 @@ def _grad_worker(rank: int, world_size: int, rdv, model_dir: str, batch, overrid
 
     dist.init_process_group("gloo", init_method=rdv.init_method, rank=rank, world_size=world_size)
     group = dist.new_group(list(range(NUM_TRAINERS)))  # the trainer ranks' own group, as in the app
-    trainer = PolicyTrainer(_config(model_dir, **overrides), group=group)
+    trainer = _trainer(model_dir, group, **overrides)
     trainer.setup()
     metrics = trainer.accumulate_gradients(batch.data_parallel_part(rank, NUM_TRAINERS))
     grads = {n: full_tensor(p.grad) for n, p in trainer.model.named_parameters()}
@@ -86,7 +84,7 @@ def test_two_rank_gradient_equals_the_single_rank_gradient(tiny_model_dir, batch
         "packed": {"pack_tokens": 40},
         "packed_shared": {"pack_tokens": 40, "share_prompts": True},  # each group's prompt laid once
         "packed_unequal": {"pack_tokens": _budget_with_unequal_micro_batches(batch)},
-        "checkpointed": {"pack_tokens": 40, "gradient_checkpointing": True},  # activation checkpointing
+        "checkpointed": {"pack_tokens": 40, "activation_checkpointing": True},  # activation checkpointing
     }[layout]
     grads, metrics, norm = run_distributed(
         _grad_worker, NUM_TRAINERS, str(tiny_model_dir), batch, overrides, timeout_s=240
@@ -115,9 +113,9 @@ def _sync_worker(rank: int, world_size: int, rdv, model_dir: str, batch):
     group = dist.new_group(list(range(NUM_TRAINERS)))
     sync_group = WeightSyncGroup(host=rdv.host, port=rdv.port, rank=rank, world_size=world_size, timeout_s=60)
     # max_grad_norm large: clipping then scales by exactly 1.0, so the weights can agree bit for bit.
-    config = _config(model_dir, max_grad_norm=1e9)
+    settings = {"max_grad_norm": 1e9}
     if rank < NUM_TRAINERS:
-        trainer = PolicyTrainer(config, group=group)
+        trainer = _trainer(model_dir, group, **settings)
         trainer.setup()
         sender = WeightSender(sync_group, trainer.model, bucket_bytes=4096)
         part = batch.data_parallel_part(rank, NUM_TRAINERS)
@@ -133,7 +131,7 @@ def _sync_worker(rank: int, world_size: int, rdv, model_dir: str, batch):
         version = receiver.receive()
     received = {n: p.detach().clone() for n, p in generator_model.named_parameters()}
     # What a single-rank trainer holds after the same steps on the whole batch, in this same process.
-    single = PolicyTrainer(config)
+    single = _trainer(model_dir, **settings)
     single.setup()
     for _ in range(NUM_STEPS):
         single.train_step(batch)
@@ -166,7 +164,7 @@ def _mixed_precision_worker(rank: int, world_size: int, rdv, model_dir: str, bat
     group = dist.new_group(list(range(NUM_TRAINERS)))
     out = {}
     for param_dtype in (None, "bfloat16"):
-        trainer = PolicyTrainer(_config(model_dir, param_dtype=param_dtype), group=group)
+        trainer = _trainer(model_dir, group, param_dtype=param_dtype)
         trainer.setup()
         logprobs = trainer.compute_logprobs(batch.data_parallel_part(rank, world_size))
         trainer.train_step(batch.data_parallel_part(rank, world_size))

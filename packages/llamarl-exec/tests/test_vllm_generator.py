@@ -13,8 +13,8 @@ import torch
 
 from llamarl.comm import WeightSender, WeightSyncGroup
 from llamarl.comm.testing import free_port
-from llamarl.exec import PolicyTrainer, TrainerConfig, VLLMGenerator, VLLMGeneratorConfig, smollm2_path
-from llamarl.exec.testing import vllm_python_for_tests
+from llamarl.exec import GeneratorConfig, PolicyTrainer, SamplingConfig, VLLMGenerator, smollm2_path
+from llamarl.exec.testing import build_trainer, vllm_python_for_tests
 from llamarl.exec.vllm_env import VLLMEnvironmentError, find_vllm_python
 from llamarl.exec.vllm_generator import EngineError
 
@@ -42,24 +42,23 @@ def prompts(model_dir) -> list[list[int]]:
     return out
 
 
-def _config(model_dir: str, **overrides) -> VLLMGeneratorConfig:
-    """The engine every test here starts: SmolLM2, 2 threads, deadlines for a loaded 2-core machine."""
-    settings = dict(
-        model=model_dir,
-        vllm_python=vllm_python_for_tests(),
-        temperature=TEMPERATURE,
+def _generator(model_dir: str, **engine) -> VLLMGenerator:
+    """The engine every test here starts: SmolLM2, 2 threads, deadlines for a loaded 2-core machine;
+    `engine` overrides GeneratorConfig fields."""
+    return VLLMGenerator(
+        model_dir,
+        SamplingConfig(temperature=TEMPERATURE),
+        GeneratorConfig(**({"vllm_python": vllm_python_for_tests(), "max_model_len": 512} | engine)),
         seed=0,
         num_threads=2,
-        max_model_len=512,
         start_timeout_s=240,
         timeout_s=240,
     )
-    return VLLMGeneratorConfig(**(settings | overrides))
 
 
 @pytest.fixture(scope="module")
 def generator(model_dir):
-    gen = VLLMGenerator(_config(model_dir))
+    gen = _generator(model_dir)
     gen.setup()
     yield gen
     gen.close()
@@ -67,7 +66,7 @@ def generator(model_dir):
 
 @pytest.fixture(scope="module")
 def trainer(model_dir) -> PolicyTrainer:
-    trainer = PolicyTrainer(TrainerConfig(model=model_dir, temperature=TEMPERATURE, micro_batch_size=4))
+    trainer = build_trainer(model_dir, temperature=TEMPERATURE)
     trainer.setup()
     return trainer
 
@@ -94,7 +93,7 @@ def test_vllm_logprobs_match_trainer_before_and_after_a_weight_sync(generator, t
     """The engine's behaviour log-probs at T=0.7 are the trainer's log_softmax(logits / T) within 1e-3,
     for the starting weights and for weights synced from the trainer (policy_version 3), with the same
     prompts before and after the sync (stale prefix-cache KV would break the second comparison)."""
-    assert generator.engine_info["vllm"] == "0.32.0"
+    assert generator._client.info["vllm"] == "0.32.0"  # what the engine reported on start
     samples = 3
     batch = generator.generate(prompts, samples_per_prompt=samples, max_new_tokens=MAX_NEW_TOKENS)
     _check_batch(batch, prompts, samples, generator.eos_token_ids)
@@ -104,9 +103,9 @@ def test_vllm_logprobs_match_trainer_before_and_after_a_weight_sync(generator, t
     diff = (recomputed - batch.behavior_logprobs_BC)[mask].abs().max()
     assert diff < 1e-3, diff
     # The comparison can fail: at T=1 (vLLM's default raw log-probs) the trainer's numbers differ.
-    trainer.config.temperature = 1.0
+    trainer.forward.temperature = 1.0
     assert (trainer.compute_logprobs(batch) - batch.behavior_logprobs_BC)[mask].abs().max() > 1e-2
-    trainer.config.temperature = TEMPERATURE
+    trainer.forward.temperature = TEMPERATURE
 
     # New weights, straight from the trainer into the engine over llamarl.comm (the engine is rank 1).
     with torch.no_grad():
@@ -158,7 +157,7 @@ def test_requests_made_during_a_generate_are_answered_between_engine_steps(gener
     def between_steps() -> None:
         nonlocal crossed
         answers.append(generator.engine_policy_version())
-        crossed += generator._generate_reply is not None  # the generate's reply came first
+        crossed += generator._client._generate_reply is not None  # the generate's reply came first
 
     for _ in range(4):
         batch = generator.generate(
@@ -169,7 +168,6 @@ def test_requests_made_during_a_generate_are_answered_between_engine_steps(gener
         assert (batch.token_version_BC[mask] == generator.policy_version).all()
         assert (batch.token_version_BC[~mask] == 0).all()
         assert (batch.policy_version_B == generator.policy_version).all()
-        assert generator.last_metrics["in_flight_updates"] == 0
     assert answers and set(answers) == {generator.policy_version}, answers
     print(f"{len(answers)} queries during 4 generates; {crossed} crossed the generate's reply")
 
@@ -188,18 +186,23 @@ def test_an_engine_that_cannot_start_fails_with_its_error(tmp_path):
     """A folder with a config but no weights: the engine process raises, and setup() says why."""
     (tmp_path / "config.json").write_text('{"model_type": "llama", "eos_token_id": 2}')
     gen = VLLMGenerator(
-        VLLMGeneratorConfig(model=str(tmp_path), vllm_python=vllm_python_for_tests(), start_timeout_s=200)
+        str(tmp_path),
+        SamplingConfig(),
+        GeneratorConfig(vllm_python=vllm_python_for_tests()),
+        start_timeout_s=200,
     )
     with pytest.raises(EngineError, match="failed to start"):
         gen.setup()
     gen.close()
-    assert gen._proc is None
+    assert gen.engine_pid is None
 
 
 _ORPHAN_SCRIPT = """
 import sys, time
-from llamarl.exec import VLLMGenerator, VLLMGeneratorConfig
-gen = VLLMGenerator(VLLMGeneratorConfig(model=sys.argv[1], vllm_python=sys.argv[2], start_timeout_s=200))
+from llamarl.exec import GeneratorConfig, SamplingConfig, VLLMGenerator
+gen = VLLMGenerator(
+    sys.argv[1], SamplingConfig(), GeneratorConfig(vllm_python=sys.argv[2]), start_timeout_s=200
+)
 gen.setup()
 print(gen.engine_pid, flush=True)
 # Keeps the engine inside a long call: joining a weight-sync group whose trainer never comes.
@@ -265,7 +268,7 @@ def test_an_engine_killed_while_idle_is_lost_and_restarted_within_its_bound(mode
 
     from llamarl.exec.vllm_generator import EngineLost, WeightsNotSyncedError
 
-    gen = VLLMGenerator(_config(model_dir, max_engine_restarts=1))
+    gen = _generator(model_dir, max_engine_restarts=1)
     try:
         gen.setup()
         old_pid = gen.engine_pid

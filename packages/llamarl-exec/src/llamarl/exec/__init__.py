@@ -15,16 +15,17 @@ _EXPORTS = {
     "Rewarder": "types",
     "Trainer": "types",
     "HFGenerator": "hf_generator",
-    "HFGeneratorConfig": "hf_generator",
     "VLLMGenerator": "vllm_generator",
-    "VLLMGeneratorConfig": "vllm_generator",
-    "EngineError": "vllm_generator",
-    "EngineLost": "vllm_generator",
+    "EngineError": "vllm_client",
+    "EngineLost": "vllm_client",
     "WeightsNotSyncedError": "vllm_generator",
     "PolicyTrainer": "trainer",
-    "TrainerConfig": "trainer",
     "ProcessRewarder": "reward_pool",
-    "RewarderConfig": "reward_pool",
+    "AlgorithmConfig": "config",
+    "GeneratorConfig": "config",
+    "RewardConfig": "config",
+    "SamplingConfig": "config",
+    "TrainerConfig": "config",
     "REWARD_FNS": "rewards",
     "get_reward_fn": "rewards",
     "gsm8k_reward": "rewards",
@@ -38,20 +39,21 @@ _EXPORTS = {
 
 __all__ = [
     "REWARD_FNS",
+    "AlgorithmConfig",
     "EngineError",
     "EngineLost",
     "Generator",
+    "GeneratorConfig",
     "HFGenerator",
-    "HFGeneratorConfig",
     "PolicyTrainer",
     "ProcessRewarder",
+    "RewardConfig",
     "Rewarder",
-    "RewarderConfig",
     "RolloutBatch",
+    "SamplingConfig",
     "Trainer",
     "TrainerConfig",
     "VLLMGenerator",
-    "VLLMGeneratorConfig",
     "WeightsNotSyncedError",
     "extract_gsm8k_answer",
     "get_reward_fn",
@@ -64,9 +66,16 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from llamarl.exec.hf_generator import HFGenerator, HFGeneratorConfig
+    from llamarl.exec.config import (
+        AlgorithmConfig,
+        GeneratorConfig,
+        RewardConfig,
+        SamplingConfig,
+        TrainerConfig,
+    )
+    from llamarl.exec.hf_generator import HFGenerator
     from llamarl.exec.models import load_model_and_tokenizer, smollm2_path, tiny_model
-    from llamarl.exec.reward_pool import ProcessRewarder, RewarderConfig
+    from llamarl.exec.reward_pool import ProcessRewarder
     from llamarl.exec.rewards import (
         REWARD_FNS,
         extract_gsm8k_answer,
@@ -75,15 +84,10 @@ if TYPE_CHECKING:
         last_boxed,
         math_reward,
     )
-    from llamarl.exec.trainer import PolicyTrainer, TrainerConfig
+    from llamarl.exec.trainer import PolicyTrainer
     from llamarl.exec.types import Generator, Rewarder, RolloutBatch, Trainer
-    from llamarl.exec.vllm_generator import (
-        EngineError,
-        EngineLost,
-        VLLMGenerator,
-        VLLMGeneratorConfig,
-        WeightsNotSyncedError,
-    )
+    from llamarl.exec.vllm_client import EngineError, EngineLost
+    from llamarl.exec.vllm_generator import VLLMGenerator, WeightsNotSyncedError
 
 
 def __getattr__(name: str):

@@ -13,27 +13,14 @@ holding one B x V float32 step at a time rather than every step's logits (B x C 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
+from llamarl.comm import WeightReceiver, WeightSyncGroup
+from llamarl.exec.config import SamplingConfig
 from llamarl.exec.models import load_model_and_tokenizer
 from llamarl.exec.types import RolloutBatch
-
-
-@dataclass(kw_only=True)
-class HFGeneratorConfig:
-    """Configuration of `HFGenerator`."""
-
-    model: str  # hub id or local transformers folder of the policy
-    dtype: str = "float32"  # weights and compute dtype of the generator ("bfloat16" on GPUs)
-    device: str = "cpu"  # torch device string
-    temperature: float = 1.0  # sampling temperature; the trainer must use the same one
-    seed: int | None = None  # seeds torch's RNG in setup() so sampling is reproducible; None leaves it
-    eos_token_ids: list[int] | None = None  # tokens that end a completion; None: the model's eos ids
-    pad_token_id: int | None = None  # padding id; None: the model's pad id, else the first eos id
 
 
 class _BehaviorLogprobRecorder:
@@ -77,42 +64,60 @@ class HFGenerator:
 
     Attributes:
         model: the policy module; weight sync writes into its parameters in place.
-        policy_version: the version of the weights in `model`; the controller sets it after a sync and
-            every generated sequence is stamped with it.
-        last_metrics: timings and counts of the latest `generate` call (generate_s, num_sequences,
-            num_completion_tokens, tokens_per_s).
+        policy_version: the version of the weights in `model`; set by `receive_weights` (or by the caller
+            after a sync) and stamped on every generated token.
     """
 
     # `generate` takes `between_steps`: stream mode loads new weights between decoding steps.
     supports_in_flight_updates = True
+    # No engine process: nothing to restart or kill (see the Generator Protocol).
+    can_restart_engine = False
+    engine_pid = None
 
-    def __init__(self, config: HFGeneratorConfig) -> None:
-        if config.temperature <= 0:
-            raise ValueError(f"temperature must be positive, got {config.temperature}")
-        self.config = config
-        self.policy_version = 0
+    def __init__(
+        self,
+        model: str,
+        sampling: SamplingConfig,
+        *,
+        device: str = "cpu",
+        dtype: str = "float32",
+        seed: int | None = None,
+        eos_token_ids: list[int] | None = None,
+        pad_token_id: int | None = None,
+    ) -> None:
+        """`model`: hub id or local folder of the policy. `dtype`: weights and compute ("bfloat16" on
+        GPUs). `seed` seeds torch's RNG in setup() so sampling is reproducible. `eos_token_ids` end a
+        completion (default: the model's eos ids); `pad_token_id` pads (default: the model's, else the
+        first eos id)."""
+        self.model_name = model
+        self.sampling = sampling
+        self.device = device
+        self.dtype = dtype
+        self.seed = seed
+        self._eos_token_ids = eos_token_ids
+        self._pad_token_id = pad_token_id
+        self.policy_version: int | None = 0
         self.model = None
-        self.last_metrics: dict[str, float] = {}
+        self._weights: WeightReceiver | None = None
 
     def setup(self) -> None:
         """Loads the model onto the device."""
-        cfg = self.config
-        if cfg.seed is not None:
-            torch.manual_seed(cfg.seed)
+        if self.seed is not None:
+            torch.manual_seed(self.seed)
         self.model, _ = load_model_and_tokenizer(
-            cfg.model, dtype=cfg.dtype, device=cfg.device, with_tokenizer=False
+            self.model_name, dtype=self.dtype, device=self.device, with_tokenizer=False
         )
         self.model.eval()
         self.model.requires_grad_(False)  # never trained here; lets weight sync copy without autograd
-        eos = cfg.eos_token_ids
+        eos = self._eos_token_ids
         if eos is None:
             eos = self.model.generation_config.eos_token_id
         if eos is None:
             eos = self.model.config.eos_token_id
         if eos is None:
-            raise ValueError(f"{cfg.model}: the model defines no eos token; set eos_token_ids")
+            raise ValueError(f"{self.model_name}: the model defines no eos token; set eos_token_ids")
         self.eos_token_ids = [eos] if isinstance(eos, int) else list(eos)
-        pad = cfg.pad_token_id
+        pad = self._pad_token_id
         if pad is None:
             pad = self.model.generation_config.pad_token_id
         if pad is None:
@@ -120,8 +125,42 @@ class HFGenerator:
         self.pad_token_id = self.eos_token_ids[0] if pad is None else int(pad)
 
     def close(self) -> None:
-        """Drops the model (and its device memory)."""
+        """Leaves the weight-sync group and drops the model (and its device memory)."""
+        if self._weights is not None:
+            self._weights.close()
+            self._weights.group.close()
+            self._weights = None
         self.model = None
+
+    # ----------------------------------------------------------------------------------------------
+    # weights
+
+    def connect_weight_sync(
+        self, *, host: str, port: int, rank: int, world_size: int, timeout_s: float, src_rank: int = 0
+    ) -> None:
+        """Joins the trainer's weight-sync group as `rank`; syncs then write into `model` in place. The
+        trainer's `WeightSender` must be built at about the same time. `timeout_s` bounds each step of a
+        sync (forming the group, every bucket)."""
+        if self.model is None:
+            raise RuntimeError("HFGenerator.connect_weight_sync called before setup()")
+        group = WeightSyncGroup(host=host, port=port, rank=rank, world_size=world_size, timeout_s=timeout_s)
+        try:
+            self._weights = WeightReceiver(group, self.model, src_rank=src_rank)
+        except BaseException:
+            group.close()
+            raise
+
+    def receive_weights(self, timeout_s: float) -> int:
+        """Waits at most `timeout_s` for the trainer to start a sync, receives it into `model` and adopts
+        its policy_version (None while receiving: a failed sync leaves the weights partly replaced)."""
+        if self._weights is None:
+            raise RuntimeError("HFGenerator.receive_weights called before connect_weight_sync()")
+        self.policy_version = None
+        self.policy_version = self._weights.receive(timeout_s)
+        return self.policy_version
+
+    def restart_engine(self) -> None:
+        raise NotImplementedError("the hf generator has no engine process to restart")
 
     # no_grad, not inference_mode: the batch's tensors may go straight into a trainer in the same
     # process, and inference tensors cannot be saved for backward there.
@@ -158,7 +197,6 @@ class HFGenerator:
             raise ValueError("every prompt needs at least one token")
         from transformers import GenerationConfig, LogitsProcessorList
 
-        start = time.perf_counter()
         device = self.model.device
         prompt_ids_BP, prompt_mask_BP = _left_pad(
             [p for p in prompts for _ in range(samples_per_prompt)], self.pad_token_id
@@ -170,7 +208,7 @@ class HFGenerator:
             if between_steps is not None:
                 between_steps()
 
-        recorder = _BehaviorLogprobRecorder(self.config.temperature, on_step)
+        recorder = _BehaviorLogprobRecorder(self.sampling.temperature, on_step)
         # Every sampling option is set explicitly: values left unset would be filled from the model's
         # generation_config.json (e.g. top_k=50, top_p=0.9) and the tokens would no longer come from
         # softmax(logits / T), which the behaviour log-probs describe.
@@ -180,7 +218,7 @@ class HFGenerator:
         else:
             sampling = {
                 "do_sample": True,
-                "temperature": self.config.temperature,
+                "temperature": self.sampling.temperature,
                 "top_k": 0,
                 "top_p": 1.0,
                 "min_p": None,
@@ -222,14 +260,6 @@ class HFGenerator:
         versions_C = torch.tensor(step_versions[:length], dtype=torch.int64).reshape(1, length)
         token_version_BC = versions_C.expand(num_sequences, length) * completion_mask_BC
         first_version = step_versions[0] if step_versions else self.policy_version
-        elapsed = time.perf_counter() - start
-        num_tokens = int(completion_mask_BC.sum())
-        self.last_metrics = {
-            "generate_s": elapsed,
-            "num_sequences": float(num_sequences),
-            "num_completion_tokens": float(num_tokens),
-            "tokens_per_s": num_tokens / elapsed if elapsed > 0 else float("nan"),
-        }
         return RolloutBatch(
             prompt_ids_BP=prompt_ids_BP,
             prompt_mask_BP=prompt_mask_BP,

@@ -15,24 +15,14 @@ import logging
 import multiprocessing as mp
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 
+from llamarl.exec.config import RewardConfig
 from llamarl.exec.rewards import get_reward_fn
 
 log = logging.getLogger(__name__)
 
 _START_TIMEOUT_S = 120.0  # a worker that cannot import its reward function in this long is broken
-
-
-@dataclass(kw_only=True)
-class RewarderConfig:
-    """Configuration of `ProcessRewarder`."""
-
-    reward_fn: str | Callable[[str, str], float]  # a name in llamarl.exec.rewards.REWARD_FNS, or a
-    # module-level function (completion, reference) -> float, picklable by reference (spawn context)
-    num_workers: int = 2  # worker processes scoring in parallel
-    timeout_s: float = 10.0  # per-sample limit; a sample that exceeds it scores 0 and its worker is replaced
 
 
 def _worker_main(conn: Connection, reward_fn: Callable[[str, str], float]) -> None:
@@ -84,26 +74,21 @@ class _Worker:
 class ProcessRewarder:
     """Scores completions against references in worker processes; implements `Rewarder`.
 
+    `reward_fn`: a name in `llamarl.exec.rewards.REWARD_FNS`, or a module-level function
+    (completion, reference) -> float, picklable by reference (workers are spawned).
+
     Attributes:
         num_timeouts: samples that hit the timeout since construction.
         num_errors: samples whose reward function raised or whose worker died.
-        last_metrics: score_s, num_timeouts and num_errors of the latest `score` call.
     """
 
-    def __init__(self, config: RewarderConfig) -> None:
-        if config.num_workers <= 0:
-            raise ValueError(f"num_workers must be positive, got {config.num_workers}")
-        if config.timeout_s <= 0:
-            raise ValueError(f"timeout_s must be positive, got {config.timeout_s}")
+    def __init__(self, reward_fn: str | Callable[[str, str], float], config: RewardConfig) -> None:
         self.config = config
-        self.reward_fn = (
-            get_reward_fn(config.reward_fn) if isinstance(config.reward_fn, str) else config.reward_fn
-        )
+        self.reward_fn = get_reward_fn(reward_fn) if isinstance(reward_fn, str) else reward_fn
         self._ctx = mp.get_context("spawn")  # fork would copy the parent's threads and CUDA state
         self._workers: list[_Worker] = []
         self.num_timeouts = 0
         self.num_errors = 0
-        self.last_metrics: dict[str, float] = {}
 
     def setup(self) -> None:
         """Starts the workers (each imports the reward function's module once)."""
@@ -128,8 +113,6 @@ class ProcessRewarder:
         if len(completions) != len(references):
             raise ValueError(f"{len(completions)} completions but {len(references)} references")
         self.setup()
-        start = time.perf_counter()
-        timeouts_before, errors_before = self.num_timeouts, self.num_errors
         scores = [0.0] * len(completions)
         todo = list(range(len(completions)))[::-1]  # popped from the end: samples go out in order
         remaining = len(completions)
@@ -148,11 +131,6 @@ class ProcessRewarder:
                     remaining -= self._receive(worker, scores, completions)
                 elif time.monotonic() >= worker.deadline and (worker.task is not None or not worker.ready):
                     remaining -= self._replace(worker, scores, timed_out=True)
-        self.last_metrics = {
-            "score_s": time.perf_counter() - start,
-            "num_timeouts": float(self.num_timeouts - timeouts_before),
-            "num_errors": float(self.num_errors - errors_before),
-        }
         return scores
 
     def _receive(self, worker: _Worker, scores: list[float], completions: list[str]) -> int:

@@ -90,3 +90,28 @@ def vllm_python_for_tests() -> str:
         if os.environ.get(REQUIRE_VLLM_ENV) == "1":
             pytest.fail(f"{e} ({REQUIRE_VLLM_ENV}=1)", pytrace=False)
         pytest.skip(str(e))
+
+
+def build_trainer(model: str, *, temperature: float = 1.0, total_steps: int = 1, **settings):
+    """A `PolicyTrainer` for tests, its `TrainerConfig` and `AlgorithmConfig` fields given flat beside
+    the trainer's runtime arguments (device, param_dtype, seed, group), e.g.
+    `build_trainer(path, lr=1e-2, pack_tokens=0, kl_coef=0.5, seed=0)`. Not set up."""
+    from llamarl.exec.config import AlgorithmConfig, TrainerConfig
+    from llamarl.exec.trainer import PolicyTrainer
+
+    sections = {TrainerConfig: {}, AlgorithmConfig: {}}
+    runtime = {}
+    for name, value in settings.items():
+        owner = next((s for s in sections if name in s.model_fields), None)
+        if owner is None:
+            runtime[name] = value
+        else:
+            sections[owner][name] = value
+    return PolicyTrainer(
+        model,
+        TrainerConfig(**sections[TrainerConfig]),
+        AlgorithmConfig(**sections[AlgorithmConfig]),
+        temperature=temperature,
+        total_steps=total_steps,
+        **runtime,
+    )

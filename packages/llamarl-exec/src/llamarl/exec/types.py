@@ -9,6 +9,7 @@ Shape legend (suffixes on tensor names):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Protocol
 
@@ -76,11 +77,38 @@ class RolloutBatch:
 
 
 class Generator(Protocol):
-    """Samples completions. Owns the policy weights that `policy_version` names."""
+    """Samples completions and holds the policy weights that `policy_version` names.
 
-    policy_version: int
+    Lifecycle: construct (cheap), `setup()` (load the model or start the engine), then
+    `connect_weight_sync(...)` once, then any number of `receive_weights` and `generate` calls, `close()`.
+    """
+
+    policy_version: int | None
+    """The version of the weights held; None while they are not a synced policy (a restarted engine,
+    a failed sync)."""
+    supports_in_flight_updates: bool
+    """Whether `generate` calls `between_steps` between decoding steps, where new weights may be taken."""
+    can_restart_engine: bool
+    """Whether a dead engine process can be replaced by `restart_engine()` (an engine in another process)."""
+
+    @property
+    def engine_pid(self) -> int | None:
+        """The engine's process id when sampling runs in a process of its own, else None."""
+        ...
 
     def setup(self) -> None: ...
+
+    def connect_weight_sync(
+        self, *, host: str, port: int, rank: int, world_size: int, timeout_s: float, src_rank: int = 0
+    ) -> int | None:
+        """Joins the trainer's weight-sync group (llamarl.comm) as `rank`: this process or its engine
+        receives straight from the trainer ranks. `timeout_s` bounds each step of a sync."""
+        ...
+
+    def receive_weights(self, timeout_s: float) -> int:
+        """Waits at most `timeout_s` for the trainer to start a sync, receives it, adopts and returns its
+        policy_version. May be called from `between_steps` during a generate (an in-flight update)."""
+        ...
 
     def generate(
         self,
@@ -89,8 +117,14 @@ class Generator(Protocol):
         samples_per_prompt: int,
         max_new_tokens: int,
         greedy: bool = False,
+        between_steps: Callable[[], None] | None = None,
     ) -> RolloutBatch:
-        """Samples `samples_per_prompt` completions per prompt (token ids); rewards are zeros."""
+        """Samples `samples_per_prompt` completions per prompt (token ids); rewards are zeros.
+        `between_steps` is called between decoding steps when `supports_in_flight_updates`."""
+        ...
+
+    def restart_engine(self) -> None:
+        """Replaces a dead engine process; the weights are not a synced policy until the next receive."""
         ...
 
     def close(self) -> None: ...
@@ -99,18 +133,30 @@ class Generator(Protocol):
 class Rewarder(Protocol):
     """Scores completion texts against reference answers, in worker processes with a per-sample timeout."""
 
+    def setup(self) -> None: ...
+
     def score(self, completions: list[str], references: list[str]) -> list[float]: ...
 
     def close(self) -> None: ...
 
 
 class Trainer(Protocol):
-    """Computes the loss on a RolloutBatch and takes one optimizer step per call."""
+    """Computes the loss on a RolloutBatch and takes one optimizer step per call.
+
+    `model` and `optimizer` are what checkpoints save (through torch.distributed.checkpoint) and what
+    weight sync sends from.
+    """
 
     policy_version: int
+    model: torch.nn.Module | None
+    optimizer: torch.optim.Optimizer | None
 
     def setup(self) -> None: ...
 
     def train_step(self, batch: RolloutBatch) -> dict[str, float]: ...
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole policy on CPU on the first trainer rank (a collective over the trainer ranks)."""
+        ...
 
     def close(self) -> None: ...

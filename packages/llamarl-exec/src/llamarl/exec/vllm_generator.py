@@ -4,11 +4,11 @@ Shape legend:
     B  sequences (num_prompts x samples_per_prompt, the samples of one prompt contiguous)
     P  prompt length (left-padded), C  completion length (right-padded)
 
-`VLLMGenerator` is a thin client. `setup()` starts the engine (`llamarl.exec.vllm_server`) in the vLLM
-environment (`llamarl.exec.vllm_env`) with one end of a socket pair; every request and every wait on
-the engine has a deadline, and an engine that dies is reported with the tail of its log. The engine
-runs in a child process, not in this one, for two reasons: vLLM pins its own torch, and an in-process
-engine would adopt the launcher's default process group.
+`VLLMGenerator` turns sampling requests into engine calls and the engine's replies into RolloutBatches;
+`llamarl.exec.vllm_client.EngineClient` runs the engine process (`llamarl.exec.vllm_server`, in the
+vLLM environment) with a deadline on every call. The engine runs in a child process, not in this one,
+for two reasons: vLLM pins its own torch, and an in-process engine would adopt the launcher's default
+process group.
 
 Weights never pass through this process: `connect_weight_sync` makes the engine's worker join the
 trainer's weight-sync group (llamarl.comm's vLLM worker extension) as this rank, and each
@@ -37,66 +37,19 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import tempfile
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from llamarl.exec.config import GeneratorConfig, SamplingConfig
 from llamarl.exec.hf_generator import _completion_mask, _left_pad
 from llamarl.exec.types import RolloutBatch
-from llamarl.exec.vllm_env import engine_env, find_vllm_python
+from llamarl.exec.vllm_client import EngineClient, EngineError, EngineLost
 
-_SERVER = Path(__file__).resolve().with_name("vllm_server.py")
-
-#: How often `generate` calls its `between_steps` while it waits for the engine (seconds).
-BETWEEN_STEPS_S = 0.05
-
-
-@dataclass(kw_only=True)
-class VLLMGeneratorConfig:
-    """Configuration of `VLLMGenerator`."""
-
-    model: str  # local transformers folder (safetensors) the engine serves; the trainer starts from it
-    dtype: str = "float32"  # engine weights and compute dtype; the trainer sends in this dtype
-    temperature: float = 1.0  # sampling temperature; the trainer must use the same one
-    seed: int | None = None  # engine seed; each generate call derives its request seed from it
-    max_model_len: int | None = None  # prompt + completion token limit; None: the model's own limit
-    max_num_seqs: int = 64  # sequences the engine schedules at once
-    num_threads: int = 1  # CPU threads of the engine process
-    kv_cache_gib: int = 1  # CPU KV cache size (VLLM_CPU_KVCACHE_SPACE)
-    vllm_python: str | None = None  # interpreter of the vLLM environment; None: see find_vllm_python
-    start_timeout_s: float = 300.0  # deadline for the engine to start (imports, model load)
-    timeout_s: float = 600.0  # deadline for any other request (a generate call, a weight sync)
-    log_path: str | None = None  # where the engine's stdout/stderr go; None: a temporary file
-    # How many times restart_engine() may replace a dead engine over this generator's life: an engine
-    # that keeps dying (bad model, out of memory) must end the run, not restart forever.
-    max_engine_restarts: int = 3
-
-
-class EngineError(RuntimeError):
-    """The engine process failed, died or missed a deadline; the message carries its error or log tail."""
-
-
-class EngineLost(EngineError):
-    """The engine process is gone (it exited, was killed, or closed its connection).
-
-    Restartable: `VLLMGenerator.restart_engine()` starts a new engine in its place. Other `EngineError`s
-    (an error raised inside a live engine, a missed deadline) are not this class.
-
-    Attributes:
-        exit_code: the engine's exit status (negative: killed by that signal), None if unknown.
-    """
-
-    def __init__(self, message: str, *, exit_code: int | None) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
+__all__ = ["EngineError", "EngineLost", "VLLMGenerator", "WeightsNotSyncedError"]
 
 
 class WeightsNotSyncedError(RuntimeError):
@@ -109,36 +62,51 @@ class VLLMGenerator:
     """Samples completions in a vLLM engine process; implements `llamarl.exec.types.Generator`.
 
     Attributes:
-        policy_version: the version of the weights the engine serves; set by `receive_weights` (or by
-            the controller after a sync) and checked against the engine's own report on every generate.
-            None while the engine holds no synced weights: after `restart_engine()` and after a failed
-            `receive_weights`, until the next successful one; `generate` then raises
-            `WeightsNotSyncedError`.
+        policy_version: the version of the weights the engine serves; set by `receive_weights` and
+            checked against the engine's own report on every generate. None while the engine holds no
+            synced weights: after `restart_engine()` and after a failed `receive_weights`, until the
+            next successful one; `generate` then raises `WeightsNotSyncedError`.
         num_engine_restarts: how many times `restart_engine()` replaced the engine.
-        engine_info: what the engine reported on start (vllm and torch versions, start time).
-        last_metrics: timings and counts of the latest `generate` call.
     """
 
     # `generate` takes `between_steps`: stream mode loads new weights into the engine between its steps,
     # with the requests in flight (partial rollouts).
     supports_in_flight_updates = True
+    can_restart_engine = True
 
-    def __init__(self, config: VLLMGeneratorConfig) -> None:
-        if config.temperature <= 0:
-            raise ValueError(f"temperature must be positive, got {config.temperature}")
-        self.config = config
+    def __init__(
+        self,
+        model: str,
+        sampling: SamplingConfig,
+        engine: GeneratorConfig,
+        *,
+        dtype: str = "float32",
+        seed: int | None = None,
+        num_threads: int = 1,
+        start_timeout_s: float = 300.0,
+        timeout_s: float = 600.0,
+        log_path: str | None = None,
+    ) -> None:
+        """`model`: the local transformers folder (safetensors) the engine serves; the trainer starts
+        from it. `dtype`: engine weights and compute (the trainer sends in it). `seed`: the engine's;
+        each generate derives its request seed from it. `num_threads`: CPU threads of the engine
+        process. `start_timeout_s` bounds the engine's start (imports, model load), `timeout_s` every
+        other call (a generate, a weight sync). `log_path`: where the engine's output goes (default: a
+        temporary file, deleted after a clean close)."""
+        self.model_name = model
+        self.sampling = sampling
+        self.engine = engine
+        self.dtype = dtype
+        self.seed = seed
+        self.num_threads = num_threads
+        self.start_timeout_s = start_timeout_s
+        self.timeout_s = timeout_s
+        self.log_path = log_path
         self.policy_version: int | None = 0
         self.num_engine_restarts = 0
-        self.engine_info: dict[str, Any] = {}
-        self.last_metrics: dict[str, float] = {}
-        self._proc: subprocess.Popen | None = None
-        self._conn: Connection | None = None
-        self._log_path: Path | None = None
+        self._client: EngineClient | None = None
         self._temporary_log = False  # the log is ours to delete after a clean close
         self._num_calls = 0
-        # Set while a generate waits for the engine; a reply to it that a nested call reads is kept here.
-        self._generating = False
-        self._generate_reply: tuple[str, Any] | None = None
         # The weight-sync group this generator joined (connect_weight_sync's arguments): a restarted
         # engine rejoins it under the same rank.
         self._weight_sync: dict[str, Any] | None = None
@@ -148,53 +116,42 @@ class VLLMGenerator:
 
     def setup(self) -> None:
         """Starts the engine process and waits (at most start_timeout_s) until it serves."""
-        cfg = self.config
-        self.eos_token_ids, self.pad_token_id = _special_tokens(Path(cfg.model))
-        if cfg.log_path:
-            self._log_path = Path(cfg.log_path)
+        self.eos_token_ids, self.pad_token_id = _special_tokens(Path(self.model_name))
+        if self.log_path:
+            log_path = Path(self.log_path)
         else:
             fd, name = tempfile.mkstemp(prefix="llamarl-vllm-engine-", suffix=".log")
             os.close(fd)
-            self._log_path = Path(name)
+            log_path = Path(name)
             self._temporary_log = True
-        self._log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._start_engine()
-
-    def _start_engine(self) -> None:
-        """Starts an engine process (appending to the log) and waits until it serves."""
-        cfg = self.config
-        assert self._log_path is not None
-        python = find_vllm_python(cfg.vllm_python)
-        ours, theirs = socket.socketpair()
-        command = [
-            python,
-            "-P",  # the script's folder (llamarl/exec, with a types.py) must not shadow the stdlib
-            str(_SERVER),
-            "--fd", str(theirs.fileno()),
-            "--model", str(cfg.model),
-            "--dtype", cfg.dtype,
-            "--max-num-seqs", str(cfg.max_num_seqs),
-            "--num-threads", str(cfg.num_threads),
-            "--seed", str(cfg.seed or 0),
+        server_args = [
+            "--model", str(self.model_name),
+            "--dtype", self.dtype,
+            "--max-num-seqs", str(self.engine.max_num_seqs),
+            "--num-threads", str(self.num_threads),
+            "--seed", str(self.seed or 0),
         ]  # fmt: skip
-        if cfg.max_model_len is not None:
-            command += ["--max-model-len", str(cfg.max_model_len)]
-        with self._log_path.open("ab") as log:
-            self._proc = subprocess.Popen(
-                command,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=engine_env(num_threads=cfg.num_threads, kv_cache_gib=cfg.kv_cache_gib),
-                pass_fds=(theirs.fileno(),),
-            )
-        theirs.close()
-        self._conn = Connection(ours.detach())
-        status, info = self._receive(cfg.start_timeout_s, what="the engine to start")[:2]
-        if status != "ready":
-            self._kill()
-            raise EngineError(f"the vLLM engine failed to start:\n{info}")
-        self.engine_info = info
+        if self.engine.max_model_len is not None:
+            server_args += ["--max-model-len", str(self.engine.max_model_len)]
+        self._client = EngineClient(
+            server_args=server_args,
+            vllm_python=self.engine.vllm_python,
+            num_threads=self.num_threads,
+            kv_cache_gib=self.engine.kv_cache_gib,
+            log_path=log_path,
+            start_timeout_s=self.start_timeout_s,
+            timeout_s=self.timeout_s,
+        )
+        self._client.start()
+
+    @property
+    def engine_pid(self) -> int | None:
+        """Process id of the engine (None before setup and after close)."""
+        return None if self._client is None else self._client.pid
+
+    def engine_alive(self) -> bool:
+        """Whether the engine process runs (False before setup, after close and once it died)."""
+        return self._client is not None and self._client.alive()
 
     def restart_engine(self) -> None:
         """Replaces the engine with a new one, e.g. after an `EngineLost`; the trainer's state is untouched.
@@ -205,149 +162,40 @@ class VLLMGenerator:
         engine serves the checkpoint it starts from, so `policy_version` is None until a
         `receive_weights` succeeds: the trainer's first send after the engine died fails (llamarl.comm
         raises `WeightSyncError` naming this rank there), and the one after re-forms the group with the
-        new engine and delivers the latest weights. Objects that forward to this generator (the
-        controller's weight receiver) keep working.
+        new engine and delivers the latest weights.
 
         Raises EngineError when max_engine_restarts restarts were already made, or when the new engine
         fails to start or to rejoin (the log tail in the message).
         """
-        if self._log_path is None:
-            raise RuntimeError("restart_engine() called before setup()")
-        if self.num_engine_restarts >= self.config.max_engine_restarts:
+        client = self._client_or_raise()
+        if self.num_engine_restarts >= self.engine.max_engine_restarts:
             raise EngineError(
                 f"the vLLM engine was already restarted {self.num_engine_restarts} times "
-                f"(max_engine_restarts={self.config.max_engine_restarts}); its log ends:\n{self._log_tail()}"
+                f"(max_engine_restarts={self.engine.max_engine_restarts}); its log ends:\n{client.log_tail()}"
             )
         self.num_engine_restarts += 1
-        self._kill()
+        client.kill()
         # The new engine's weights are the checkpoint's, whatever the old one served.
         self.policy_version = None
-        with self._log_path.open("a") as log:  # where one engine's log ends and the next begins
+        with client.log_path.open("a") as log:  # where one engine's log ends and the next begins
             log.write(f"\n[llamarl] restarting the vLLM engine (restart {self.num_engine_restarts})\n")
-        self._start_engine()
+        client.start()
         if self._weight_sync is not None:
             self._join_weight_sync(**self._weight_sync)
 
-    @property
-    def engine_pid(self) -> int | None:
-        """Process id of the engine (None before setup and after close)."""
-        return None if self._proc is None else self._proc.pid
-
-    def engine_alive(self) -> bool:
-        """Whether the engine process runs (False before setup, after close and once it died)."""
-        return self._proc is not None and self._proc.poll() is None
-
     def close(self) -> None:
         """Stops the engine process (politely, then by force after a few seconds). Idempotent."""
-        if self._proc is None:
+        if self._client is None:
             return
-        clean = False
-        try:
-            if self._proc.poll() is None and self._conn is not None:
-                self._conn.send(("close", {}))
-                clean = self._proc.wait(timeout=15) == 0
-        except (OSError, subprocess.TimeoutExpired, EOFError):
-            pass
-        self._kill()
+        clean = self._client.close()
         # A temporary log is kept when the engine did not end cleanly: it is the only trace of why.
-        if clean and self._temporary_log and self._log_path is not None:
-            self._log_path.unlink(missing_ok=True)
+        if clean and self._temporary_log:
+            self._client.log_path.unlink(missing_ok=True)
 
-    def _kill(self) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.kill()
-            self._proc.wait(timeout=30)
-        self._proc = None
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
-
-    # ----------------------------------------------------------------------------------------------
-    # requests
-
-    def _receive(self, timeout_s: float, *, what: str) -> tuple[Any, ...]:
-        """The engine's next message, waiting at most timeout_s; fails fast if the engine dies."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            message = self._next_message(min(1.0, max(0.0, deadline - time.monotonic())), what=what)
-            if message is not None:
-                return message
-            if time.monotonic() >= deadline:
-                raise EngineError(
-                    f"timed out after {timeout_s:.0f} s waiting for {what}:\n{self._log_tail()}"
-                )
-
-    def _next_message(self, wait_s: float, *, what: str) -> tuple[Any, ...] | None:
-        """The engine's next message if one comes within wait_s, else None; EngineLost if it is gone."""
-        assert self._conn is not None and self._proc is not None
-        if not self._conn.poll(wait_s):
-            if self._proc.poll() is not None:
-                raise EngineLost(
-                    f"the vLLM engine exited (code {self._proc.returncode}) while waiting for {what}; "
-                    f"its log ends:\n{self._log_tail()}",
-                    exit_code=self._proc.returncode,
-                )
-            return None
-        try:
-            return self._conn.recv()
-        except (EOFError, OSError):  # EOF, or a reset connection: the engine is gone or going
-            raise self._lost(f"closed its connection while waiting for {what}") from None
-
-    def _lost(self, what_happened: str) -> EngineLost:
-        """An EngineLost for an engine whose connection broke: waits (bounded) for it to exit."""
-        assert self._proc is not None
-        try:
-            exit_code: int | None = self._proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            # A closed connection but a live process: it cannot serve us any more; do not leave it.
-            self._proc.kill()
-            exit_code = self._proc.wait(timeout=30)
-        return EngineLost(
-            f"the vLLM engine {what_happened} (exit code {exit_code}); its log ends:\n{self._log_tail()}",
-            exit_code=exit_code,
-        )
-
-    def _send(self, method: str, kwargs: dict[str, Any]) -> None:
-        if self._conn is None:
-            raise RuntimeError("VLLMGenerator used before setup() or after close()")
-        try:
-            self._conn.send((method, kwargs))
-        except OSError:  # broken pipe: the engine died while idle
-            raise self._lost(f"was gone when {method} was sent") from None
-
-    def _reply_to(self, method: str, timeout_s: float) -> tuple[str, Any]:
-        """(status, value) of the engine's reply to `method`, waiting at most timeout_s in all.
-
-        A request made during a generate (a nested call, from `between_steps`) may see the generate's
-        own reply first (the engine finished just as the request was sent): it is kept for `generate`.
-        """
-        deadline = time.monotonic() + timeout_s
-        while True:
-            status, value, replied_to = self._receive(max(0.0, deadline - time.monotonic()), what=method)
-            if replied_to == method:
-                return status, value
-            if replied_to == "generate" and self._generate_reply is None and self._generating:
-                self._generate_reply = (status, value)
-                continue
-            raise EngineError(f"the vLLM engine answered {replied_to!r} while {method!r} was awaited")
-
-    def _call(self, method: str, *, deadline_s: float | None = None, **kwargs: Any) -> Any:
-        """Runs `method(**kwargs)` in the engine; waits at most deadline_s (default: config.timeout_s).
-
-        May be called during a generate (from its `between_steps`): the engine answers "receive_weights"
-        and "weight_version" between two of its steps.
-        """
-        self._send(method, kwargs)
-        status, value = self._reply_to(method, deadline_s or self.config.timeout_s)
-        if status != "ok":
-            raise EngineError(f"the vLLM engine failed in {method}:\n{value}")
-        return value
-
-    def _log_tail(self, num_chars: int = 6000) -> str:
-        try:
-            return self._log_path.read_text(errors="replace")[-num_chars:] if self._log_path else ""
-        except OSError:
-            return ""
+    def _client_or_raise(self) -> EngineClient:
+        if self._client is None:
+            raise RuntimeError("VLLMGenerator used before setup()")
+        return self._client
 
     # ----------------------------------------------------------------------------------------------
     # weights
@@ -371,7 +219,7 @@ class VLLMGenerator:
     ) -> int:
         # A fresh engine in a group that already ran rejoins by itself: its WeightReceiver sees the
         # group's first generation done and asks for a new one (llamarl.comm.WeightReceiver).
-        return self._call(
+        return self._client_or_raise().call(
             "init_weight_sync",
             deadline_s=timeout_s + 30,  # the engine's own wait has timeout_s; this one must outlast it
             host=host,
@@ -386,15 +234,17 @@ class VLLMGenerator:
         """Has the engine receive one sync from the trainer (load, reset the prefix cache); returns and
         adopts its policy_version. On failure `policy_version` is None (the weights may be partly
         replaced) until a later call succeeds."""
-        wait_s = timeout_s or self.config.timeout_s
+        wait_s = timeout_s or self.timeout_s
         self.policy_version = None
         # The engine waits at most wait_s for the trainer; this wait outlasts it to get its error.
-        self.policy_version = int(self._call("receive_weights", deadline_s=wait_s + 30, timeout_s=wait_s))
+        self.policy_version = int(
+            self._client_or_raise().call("receive_weights", deadline_s=wait_s + 30, timeout_s=wait_s)
+        )
         return self.policy_version
 
     def engine_policy_version(self) -> int | None:
         """The policy_version the engine itself reports (None after a failed sync)."""
-        return self._call("weight_version")
+        return self._client_or_raise().call("weight_version")
 
     # ----------------------------------------------------------------------------------------------
     # sampling
@@ -439,17 +289,16 @@ class VLLMGenerator:
                 "the vLLM engine holds no synced weights (restarted, or its last sync failed): "
                 "receive_weights() first"
             )
-        start = time.perf_counter()
         version_at_start = self.policy_version
         # A fresh request seed per call (seeded runs stay reproducible, calls do not repeat each other).
-        seed = None if self.config.seed is None else self.config.seed * 100_003 + self._num_calls
+        seed = None if self.seed is None else self.seed * 100_003 + self._num_calls
         self._num_calls += 1
-        reply = self._generate(
+        reply = self._client_or_raise().generate(
             dict(
                 prompts=[list(map(int, p)) for p in prompts],
                 n=samples_per_prompt,
                 max_tokens=max_new_tokens,
-                temperature=0.0 if greedy else self.config.temperature,
+                temperature=0.0 if greedy else self.sampling.temperature,
                 stop_token_ids=self.eos_token_ids,
                 seed=seed,
             ),
@@ -488,16 +337,6 @@ class VLLMGenerator:
             [vs[0] if vs else version_at_start for vs in versions], dtype=torch.int64
         )
 
-        elapsed = time.perf_counter() - start
-        num_tokens = int(completion_mask_BC.sum())
-        num_updates = max((len(a) for a in reply["version_arrivals"]), default=0)
-        self.last_metrics = {
-            "generate_s": elapsed,
-            "num_sequences": float(num_sequences),
-            "num_completion_tokens": float(num_tokens),
-            "tokens_per_s": num_tokens / elapsed if elapsed > 0 else float("nan"),
-            "in_flight_updates": float(num_updates),
-        }
         return RolloutBatch(
             prompt_ids_BP=prompt_ids_BP,
             prompt_mask_BP=prompt_mask_BP,
@@ -509,76 +348,6 @@ class VLLMGenerator:
             token_version_BC=token_version_BC,
             group_size=samples_per_prompt,
         )
-
-    def _generate(self, request: dict[str, Any], between_steps: Callable[[], None] | None) -> dict[str, Any]:
-        """Sends one generate request and waits for its reply, calling `between_steps` meanwhile.
-
-        The wait is bounded by config.timeout_s of engine time: the time spent inside `between_steps`
-        (a weight sync waiting for the trainer, with a deadline of its own) extends it.
-        """
-        if self._generating:
-            raise RuntimeError("VLLMGenerator.generate called from inside a generate (between_steps)")
-        self._send("generate", request)
-        self._generating, self._generate_reply = True, None
-        try:
-            deadline = time.monotonic() + self.config.timeout_s
-            while self._generate_reply is None:
-                wait_s = BETWEEN_STEPS_S if between_steps is not None else 1.0
-                message = self._next_message(
-                    min(wait_s, max(0.0, deadline - time.monotonic())), what="generate"
-                )
-                if message is not None:
-                    status, value, replied_to = message
-                    if replied_to != "generate":
-                        raise EngineError(
-                            f"the vLLM engine answered {replied_to!r} while generate was awaited"
-                        )
-                    self._generate_reply = (status, value)
-                    break
-                if time.monotonic() >= deadline:
-                    raise EngineError(
-                        f"timed out after {self.config.timeout_s:.0f} s waiting for generate:\n"
-                        f"{self._log_tail()}"
-                    )
-                if between_steps is not None:
-                    called = time.monotonic()
-                    between_steps()
-                    deadline += time.monotonic() - called
-        except BaseException as exc:
-            # Abandoned (between_steps raised, a deadline passed): the engine's requests must not run on
-            # into the next call, nor its late reply be read as the next call's. A lost engine has none.
-            if self._generate_reply is None and not isinstance(exc, EngineLost):
-                self._abort_generate()
-            raise
-        finally:
-            self._generating = False
-        status, value = self._generate_reply
-        self._generate_reply = None
-        if status != "ok":
-            raise EngineError(f"the vLLM engine failed in generate:\n{value}")
-        return value
-
-    def _abort_generate(self, timeout_s: float = 30.0) -> None:
-        """Has the engine abort the generate in flight and reads both replies (the abort's, the
-        generate's), so that the connection is in step for the next call. An engine that does not
-        answer within timeout_s is killed: the next call reports it as an `EngineLost`."""
-        try:
-            self._send("abort", {})
-            deadline = time.monotonic() + timeout_s
-            abort_answered = False
-            while not (abort_answered and self._generate_reply is not None):
-                status, value, replied_to = self._receive(max(0.0, deadline - time.monotonic()), what="abort")
-                if replied_to == "abort":
-                    abort_answered = True
-                elif replied_to == "generate":
-                    self._generate_reply = (status, value)
-                else:
-                    raise EngineError(f"the vLLM engine answered {replied_to!r} while abort was awaited")
-        except EngineLost:
-            pass  # the next call reports it
-        except EngineError:
-            if self._proc is not None and self._proc.poll() is None:
-                self._proc.kill()
 
 
 def _special_tokens(model_dir: Path) -> tuple[list[int], int]:

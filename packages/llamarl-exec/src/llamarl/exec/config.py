@@ -1,0 +1,120 @@
+"""The executors' sections of the run configuration: each setting declared once, here, with its default,
+type, one-line doc and range.
+
+`llamarl.control.config.RunConfig` nests these sections (beside its own: task, schedule, ranks, ...);
+the command line, config files and `--help` are derived from that tree. An executor takes its section
+(and plain runtime arguments such as the device or the model folder), never a copy of its fields.
+
+Every section is an immutable pydantic model that validates itself: a wrong type, an out-of-range value
+or an unknown key raises `pydantic.ValidationError` naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from llamarl.algo import ADVANTAGE_NAMES, KL_ESTIMATORS, MISMATCH_MODES, POLICY_LOSS_NAMES, get_policy_loss
+from llamarl.exec.lr_schedules import LR_SCHEDULES
+
+# Literal types built from the registries, so `--help` lists the choices and a file's typo fails at load.
+PolicyLossName = Literal[POLICY_LOSS_NAMES]  # type: ignore[valid-type]
+AdvantageName = Literal[ADVANTAGE_NAMES]  # type: ignore[valid-type]
+KLEstimatorName = Literal[tuple(sorted(KL_ESTIMATORS))]  # type: ignore[valid-type]
+MismatchMode = Literal[MISMATCH_MODES]  # type: ignore[valid-type]
+LRScheduleName = Literal[LR_SCHEDULES]  # type: ignore[valid-type]
+
+
+class ConfigSection(BaseModel):
+    """A section of the run configuration: immutable, unknown keys refused, each field documented by
+    the docstring under it (what `--help` prints)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+class SamplingConfig(ConfigSection):
+    """How completions are sampled (the trainer scores tokens at the same temperature)."""
+
+    samples_per_prompt: int = Field(4, ge=1)
+    """completions per prompt: the group whose mean reward is each sample's baseline"""
+    max_new_tokens: int = Field(128, ge=1)
+    """completion length limit, in training and evaluation"""
+    temperature: float = Field(1.0, gt=0)
+    """sampling temperature; the behaviour log-probs and the trainer's log-probs use the same one"""
+
+
+class AlgorithmConfig(ConfigSection):
+    """The RL objective: policy loss, advantage estimator, KL penalty, mismatch correction."""
+
+    loss: PolicyLossName = "aipo"
+    """policy loss (llamarl.algo's registry; see docs/algorithms.md)"""
+    loss_hparams: dict[str, float] = Field(default_factory=dict)
+    """hyper-parameters of the loss by name, e.g. rho=4 (AIPO's truncation); the loss's defaults otherwise"""
+    advantage: AdvantageName = "group_mean"
+    """advantage estimator (the group-mean baseline is AIPO's)"""
+    mismatch_is: MismatchMode | None = None
+    """correct the generator/trainer log-prob mismatch by importance sampling (off when unset)"""
+    mismatch_cap: float = Field(2.0, gt=0)
+    """truncation / masking threshold of mismatch_is"""
+    kl_coef: float = Field(0.0, ge=0)
+    """> 0: KL penalty to a frozen reference policy held by the trainer ranks"""
+    kl_estimator: KLEstimatorName = "k3"
+    """KL estimator of the penalty (k1, k2 or k3)"""
+
+    @model_validator(mode="after")
+    def _loss_takes_its_hparams(self) -> AlgorithmConfig:
+        # Binding by name checks the hyper-parameter names now, not at the first training step.
+        get_policy_loss(self.loss, **self.loss_hparams)
+        return self
+
+
+class TrainerConfig(ConfigSection):
+    """The trainer: optimizer, learning-rate schedule, micro-batching, memory."""
+
+    lr: float = Field(3e-6, ge=0)
+    """AdamW peak learning rate (0 leaves the weights as they are: for checks and timings)"""
+    lr_schedule: LRScheduleName = "constant"
+    """after warmup: constant, or linear / cosine decay to 0 at the last step"""
+    warmup_steps: int = Field(0, ge=0)
+    """optimizer steps of linear learning-rate warmup"""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW decoupled weight decay"""
+    max_grad_norm: float = Field(1.0, gt=0)
+    """gradient clipping threshold on the global L2 norm over the trainer ranks"""
+    pack_tokens: int = Field(2048, ge=0)
+    """pack micro-batches up to this many tokens, no padding (same gradients as padded rows); 0: padded
+    rows of micro_batch_size"""
+    micro_batch_size: int = Field(4, ge=1)
+    """sequences per forward/backward pass when pack_tokens is 0"""
+    share_prompts: bool = True
+    """forward each prompt once per group and let its samples attend to it (same gradients)"""
+    activation_checkpointing: bool = False
+    """recompute activations in backward: less memory, more compute"""
+
+
+class GeneratorConfig(ConfigSection):
+    """The generator backend and its engine."""
+
+    backend: Literal["hf", "vllm"] = "hf"
+    """hf: transformers' generate in the rank; vllm: a vLLM engine per generator rank, in its own process
+    and environment (tools/setup_vllm_env.sh builds it)"""
+    vllm_python: str | None = None
+    """interpreter of the vLLM environment (unset: $LLAMARL_VLLM_PYTHON, else the cached one)"""
+    max_model_len: int | None = Field(None, ge=1)
+    """vLLM: prompt + completion token limit of each engine (unset: the model's own)"""
+    max_num_seqs: int = Field(64, ge=1)
+    """vLLM: sequences an engine schedules at once"""
+    kv_cache_gib: int = Field(1, ge=1)
+    """vLLM on the CPU: KV cache size of each engine, GiB"""
+    max_engine_restarts: int = Field(3, ge=0)
+    """stream mode with vLLM: dead engines a generator replaces while the trainer keeps going"""
+
+
+class RewardConfig(ConfigSection):
+    """Rule rewards: the answer checker runs in worker processes beside each generator."""
+
+    num_workers: int = Field(1, ge=1)
+    """worker processes per generator rank (answer checking is cheap next to generation)"""
+    timeout_s: float = Field(10.0, gt=0)
+    """per-sample deadline of the answer checker; a sample past it scores 0 and its worker is replaced"""
