@@ -1,6 +1,6 @@
 """The schedules, run with fake executors in one process: the order of events of every mode.
 
-The roles are the real `GeneratorRole` and `TrainerRole`; only the model work is faked (a generator
+The loops are the real `GeneratorLoop` and `TrainerLoop`; only the model work is faked (a generator
 that stamps versions, a trainer that counts steps, weights that are just a version number), so each
 test asserts what a mode promises: which policy version sampled what the trainer learns from.
 """
@@ -14,19 +14,15 @@ import time
 import pytest
 import torch
 
-from llamarl.control.buffer import RolloutBuffer
-from llamarl.control.roles import (
-    GeneratorRole,
-    GeneratorSetup,
-    PolicyLagError,
-    PromptStream,
-    RolloutOutbox,
-    StreamControl,
-    TrainerRole,
-    drain_into_buffer,
-)
+from llamarl.control.channels.buffer import RolloutBuffer
+from llamarl.control.channels.stream import RolloutOutbox, StreamControl, drain_into_buffer
+from llamarl.control.config import ScheduleConfig
+from llamarl.control.generator_loop import GeneratorLoop
+from llamarl.control.prompts import PromptStream
 from llamarl.control.schedule import lockstep_ticks
 from llamarl.control.timeline import Timeline
+from llamarl.control.trainer_loop import PolicyLagError, TrainerLoop
+from llamarl.exec.config import SamplingConfig
 from llamarl.exec.types import RolloutBatch
 
 pytestmark = pytest.mark.timeout(60)
@@ -37,12 +33,18 @@ class FakeGenerator:
     depend on it) and every token is stamped with the version held when it was drawn."""
 
     supports_in_flight_updates = True
+    can_restart_engine = False
 
-    def __init__(self, events: list[str], *, steps: int = 3, step_s: float = 0.0) -> None:
+    def __init__(self, events: list[str], *, steps: int = 3, step_s: float = 0.0, link=None) -> None:
         self.policy_version = 0
         self.events = events
         self.steps = steps
         self.step_s = step_s
+        self.link = link
+
+    def receive_weights(self, timeout_s: float) -> int:
+        self.policy_version = self.link.receive()
+        return self.policy_version
 
     def generate(self, prompts, *, samples_per_prompt, max_new_tokens, between_steps=None) -> RolloutBatch:
         B = len(prompts) * samples_per_prompt
@@ -139,7 +141,26 @@ class DictStore:
             return value
 
 
-def make_roles(
+class FakePrompts:
+    """Prompt i is the token [i]; the first sample of each group decodes to its prompt index."""
+
+    def encode(self, index: int) -> list[int]:
+        return [index]
+
+    def reference(self, index: int) -> str:
+        return "first"
+
+    def question(self, index: int) -> str:
+        return f"q{index}"
+
+    def decode(self, batch: RolloutBatch) -> list[str]:
+        return [
+            str(int(row[0])) if j % batch.group_size == 0 else "0"
+            for j, row in enumerate(batch.completion_ids_BC)
+        ]
+
+
+def make_loops(
     events: list[str],
     *,
     prompts_per_step: int = 2,
@@ -148,42 +169,36 @@ def make_roles(
     generator_step_s: float = 0.0,
     trainer_step_s: float = 0.0,
     max_rounds: int = 4,
-) -> tuple[GeneratorRole, TrainerRole, WeightLink]:
+) -> tuple[GeneratorLoop, TrainerLoop, WeightLink]:
     link = WeightLink(events)
-    trainer = TrainerRole(
+    trainer = TrainerLoop(
         trainer=FakeTrainer(events, step_s=trainer_step_s),
         send_weights=link.send,
         max_policy_lag=max_policy_lag,
         timeline=Timeline(),
     )
-    generator = GeneratorRole(
-        generator=FakeGenerator(events, step_s=generator_step_s),
+    generator = GeneratorLoop(
+        generator=FakeGenerator(events, step_s=generator_step_s, link=link),
         rewarder=FakeRewarder(),
-        receive_weights=link.receive,
         prompts=PromptStream(
             list(range(100)), prompts_per_step=prompts_per_step, generator_index=0, num_generators=1
         ),
-        encode=lambda i: [i],
-        reference=lambda i: "first",
-        question=lambda i: f"q{i}",
-        decode=lambda b: [
-            str(int(row[0])) if j % b.group_size == 0 else "0" for j, row in enumerate(b.completion_ids_BC)
-        ],
-        setup=GeneratorSetup(
-            samples_per_prompt=2,
-            prompts_per_request=prompts_per_step,
-            max_new_tokens=3,
+        source=FakePrompts(),
+        sampling=SamplingConfig(samples_per_prompt=2, max_new_tokens=3),
+        schedule=ScheduleConfig(
+            prompts_per_step=prompts_per_step,
             dynamic_sampling=dynamic_sampling,
             max_sampling_rounds=max_rounds,
         ),
+        weights_timeout_s=10,
         timeline=Timeline(),
     )
     return generator, trainer, link
 
 
-def run_lockstep(mode: str, steps: int, generator: GeneratorRole, trainer: TrainerRole) -> list[dict]:
-    """Both roles of a lock-step run in one thread, phase by phase (what the controller does on each
-    rank, with the channels replaced by handing the batch over)."""
+def run_lockstep(mode: str, steps: int, generator: GeneratorLoop, trainer: TrainerLoop) -> list[dict]:
+    """Both loops of a lock-step run in one thread, phase by phase (what each side does on its ranks,
+    with the channels replaced by handing the batch over)."""
     pending = received = None
     records = []
     for tick in lockstep_ticks(mode, steps):
@@ -204,7 +219,7 @@ def run_lockstep(mode: str, steps: int, generator: GeneratorRole, trainer: Train
 
 def test_sync_plan_trains_each_batch_with_the_policy_that_sampled_it():
     events: list[str] = []
-    generator, trainer, _ = make_roles(events)
+    generator, trainer, _ = make_loops(events)
     records = run_lockstep("sync", 3, generator, trainer)
     assert events == [
         "generate [0, 1] v0", "train v0 -> v1", "send weights v1",
@@ -217,7 +232,7 @@ def test_sync_plan_trains_each_batch_with_the_policy_that_sampled_it():
 
 def test_async_plan_overlaps_generation_with_training_one_version_apart():
     events: list[str] = []
-    generator, trainer, _ = make_roles(events)
+    generator, trainer, _ = make_loops(events)
     records = run_lockstep("async", 3, generator, trainer)
     # In a tick the generate and train phases run at the same time on their own ranks; in one thread
     # they run in plan order. Batch t is sampled by version t - 1 while version t is being trained.
@@ -253,7 +268,7 @@ def test_lockstep_plans_are_what_the_docstring_says():
 
 def test_dynamic_sampling_refills_the_batch_with_groups_that_have_reward_variance():
     events: list[str] = []
-    generator, trainer, _ = make_roles(events, dynamic_sampling=True)
+    generator, trainer, _ = make_loops(events, dynamic_sampling=True)
     batch, metrics = generator.make_batch(0)
     # Even prompts' groups have equal rewards (dropped), odd ones' do not (kept); each further round
     # samples only as many prompts as the batch still lacks.
@@ -267,7 +282,7 @@ def test_dynamic_sampling_refills_the_batch_with_groups_that_have_reward_varianc
 
 def test_dynamic_sampling_gives_up_after_max_rounds_and_tops_up():
     events: list[str] = []
-    generator, _, _ = make_roles(events, dynamic_sampling=True, prompts_per_step=1, max_rounds=2)
+    generator, _, _ = make_loops(events, dynamic_sampling=True, prompts_per_step=1, max_rounds=2)
     batch, metrics = generator.make_batch(0)  # prompts 0 then 1: only prompt 1's group is kept
     assert batch.prompt_ids_BP[:, 0].tolist() == [1, 1]
     generator.prompts.position = 10  # now prompts 20 and 22: both even, so both groups are flat
@@ -280,7 +295,7 @@ def test_dynamic_sampling_gives_up_after_max_rounds_and_tops_up():
 
 def test_trainer_refuses_rollouts_older_than_the_lag_bound():
     events: list[str] = []
-    _, trainer, _ = make_roles(events, max_policy_lag=1)
+    _, trainer, _ = make_loops(events, max_policy_lag=1)
     old = FakeGenerator(events).generate([[0]], samples_per_prompt=2, max_new_tokens=3)
     trainer.trainer.policy_version = 2
     with pytest.raises(PolicyLagError, match="2 policy versions old"):
@@ -289,9 +304,9 @@ def test_trainer_refuses_rollouts_older_than_the_lag_bound():
 
 
 def run_stream(
-    generator: GeneratorRole, trainer: TrainerRole, link: WeightLink, *, steps: int, buffer_groups: int
+    generator: GeneratorLoop, trainer: TrainerLoop, link: WeightLink, *, steps: int, buffer_groups: int
 ):
-    """Both roles of a stream run on their own threads, joined by a real buffer, outbox and drain."""
+    """Both loops of a stream run on their own threads, joined by a real buffer, outbox and drain."""
     link.threaded = True
     control = StreamControl(DictStore())
     buffer = RolloutBuffer(capacity_groups=buffer_groups, max_policy_lag=trainer.max_policy_lag)
@@ -304,7 +319,10 @@ def run_stream(
         threading.Thread(
             target=lambda: drained.append(
                 drain_into_buffer(
-                    buffer, lambda: wire.get(timeout=10), trainer.generator_stats, 0, timeout_s=10
+                    buffer,
+                    lambda: wire.get(timeout=10),
+                    lambda metrics: trainer.generator_stats.update(0, metrics),
+                    timeout_s=10,
                 )
             )
         ),
@@ -328,7 +346,7 @@ def run_stream(
 def test_stream_drops_groups_older_than_the_lag_bound_and_never_trains_on_them():
     events: list[str] = []
     # A fast generator and a slow trainer with a roomy buffer: groups go stale while they wait.
-    generator, trainer, link = make_roles(events, max_policy_lag=1, trainer_step_s=0.05)
+    generator, trainer, link = make_loops(events, max_policy_lag=1, trainer_step_s=0.05)
     records, buffer, _ = run_stream(generator, trainer, link, steps=6, buffer_groups=8)
     trained = trainer.trainer.trained
     assert len(trained) == 6
@@ -344,7 +362,7 @@ def test_stream_drops_groups_older_than_the_lag_bound_and_never_trains_on_them()
 def test_stream_takes_weights_in_flight_and_stamps_every_token():
     events: list[str] = []
     # A slow generator (3 decoding steps of 50 ms) and a fast trainer: new weights land mid-sequence.
-    generator, trainer, link = make_roles(events, max_policy_lag=2, generator_step_s=0.05)
+    generator, trainer, link = make_loops(events, max_policy_lag=2, generator_step_s=0.05)
     records, _, _ = run_stream(generator, trainer, link, steps=4, buffer_groups=4)
     mixed = [b for b in trainer.trainer.trained if b.token_version_BC.unique().numel() > 1]
     assert mixed, "no sequence took new weights in flight"
@@ -359,7 +377,7 @@ def test_stream_takes_weights_in_flight_and_stamps_every_token():
 
 def test_a_full_buffer_blocks_the_generator_until_the_trainer_takes():
     events: list[str] = []
-    generator, trainer, link = make_roles(events, max_policy_lag=4, trainer_step_s=0.1)
+    generator, trainer, link = make_loops(events, max_policy_lag=4, trainer_step_s=0.1)
     records, buffer, _ = run_stream(generator, trainer, link, steps=3, buffer_groups=2)
     # The generator was held back (unbounded, it would sample hundreds of batches meanwhile): ahead of
     # the trainer are at most one batch in the buffer, one in the drain's hands, one on the wire, one in

@@ -8,19 +8,23 @@ from llamarl.control.config import RunConfig
 from llamarl.control.launcher import _default_threads
 
 
-def config(**kwargs) -> RunConfig:
-    return RunConfig(task="gsm8k", model="m", output_dir="o", **kwargs)
+def config(mode: str, num_generators: int = 1) -> RunConfig:
+    return RunConfig(
+        task="gsm8k",
+        schedule={"mode": mode, "prompts_per_step": 12},
+        ranks={"num_generators": num_generators},
+    )
 
 
 def test_sync_mode_gives_every_rank_all_cores():
     # Ranks take turns in sync mode: the generator generates while the trainer waits, and the other way
     # round, so each may use every core (a generator keeping half of them would idle the other half).
     cores = os.cpu_count() or 1
-    assert _default_threads(config(mode="sync")) == cores
-    assert _default_threads(config(mode="sync", num_generators=3)) == cores
+    assert _default_threads(config("sync")) == cores
+    assert _default_threads(config("sync", 3)) == cores
 
 
 def test_async_mode_splits_the_cores_between_concurrent_ranks():
     cores = os.cpu_count() or 1
-    assert _default_threads(config(mode="async")) == max(1, cores // 2)
-    assert _default_threads(config(mode="async", num_generators=3)) == max(1, cores // 4)
+    assert _default_threads(config("async")) == max(1, cores // 2)
+    assert _default_threads(config("async", 3)) == max(1, cores // 4)

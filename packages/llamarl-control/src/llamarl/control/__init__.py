@@ -1,4 +1,5 @@
-"""llamarl.control: the single controller, the channels between executors, launch and metrics.
+"""llamarl.control: the single controller: the run config, the two sides of a run, the channels between
+them, launch through torch elastic, checkpoints, evaluation and metrics.
 
 Public names load lazily (PEP 562), so reading a dataset or a config does not start torch.distributed.
 """
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING
 _EXPORTS = {
     "ConfigError": "config",
     "RunConfig": "config",
+    "parse_run_config": "cli",
     "RunFailed": "launcher",
     "launch": "launcher",
     "GSM8K": "tasks",
@@ -34,9 +36,11 @@ __all__ = [
     "Task",
     "launch",
     "load_examples",
+    "parse_run_config",
 ]
 
 if TYPE_CHECKING:
+    from llamarl.control.cli import parse_run_config
     from llamarl.control.config import ConfigError, RunConfig
     from llamarl.control.launcher import RunFailed, launch
     from llamarl.control.tasks import GSM8K, MATH, TASKS, DataError, Example, Task, load_examples

@@ -20,6 +20,10 @@ one is used), so a crash at any point of a write never leaves a checkpoint that 
 last `keep` complete checkpoints are kept.
 
 Several nodes must share OUTPUT_DIR (the ranks write into the same folder).
+
+`RunCheckpoints` is what a run uses: it finds the checkpoint to resume from (refusing one written with
+settings that change which prompts each step sees) and saves every rank's part at the same point; each
+side of the run says what its part is (`checkpoint_state`).
 """
 
 from __future__ import annotations
@@ -320,3 +324,90 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+# --------------------------------------------------------------------------------------------------
+# a run's checkpoints
+
+# Settings that fix which prompts each tick sees and how they are split: a resumed run must keep them.
+MUST_MATCH_ON_RESUME = (
+    "task.name",
+    "seed",
+    "schedule.mode",
+    "schedule.prompts_per_step",
+    "sampling.samples_per_prompt",
+    "ranks.num_generators",
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Resume:
+    """The checkpoint a run continues from, as this rank sees it."""
+
+    found: Found
+    run_state: dict[str, Any]  # controller.json: the tick to resume at, policy_version, histories
+    rank_state: dict[str, Any]  # this rank's rank{r}.pt (RNG states under "rng")
+
+
+class RunCheckpoints:
+    """The checkpoints of one run in OUTPUT_DIR/checkpoints: `resume()` on start, `save()` when due.
+
+    `settings` maps each of MUST_MATCH_ON_RESUME to this run's value.
+    """
+
+    def __init__(self, output_dir: Path, *, rank: int, world_size: int, keep: int, settings: dict[str, Any]):
+        self.root = output_dir / CHECKPOINTS_DIR
+        self.rank = rank
+        self.world_size = world_size
+        self.settings = settings
+        self.writer = CheckpointWriter(self.root, rank=rank, world_size=world_size, keep=keep)
+
+    def resume(self, log: Callable[[str], None]) -> Resume | None:
+        """The latest complete checkpoint, chosen by rank 0 for every rank (collective); None if none.
+
+        Raises CheckpointError when it was written with other settings of MUST_MATCH_ON_RESUME.
+        """
+        found = choose_on_rank0(self.root, rank=self.rank, log=log)
+        if found is None:
+            if self.rank == 0:
+                log(f"no complete checkpoint in {self.root}: starting from the beginning")
+            return None
+        run_state = load_controller_state(found)
+        for key in MUST_MATCH_ON_RESUME:
+            if run_state["settings"][key] != self.settings[key]:
+                raise CheckpointError(
+                    f"{found.path} was written with {key}={run_state['settings'][key]!r}, "
+                    f"this run has {self.settings[key]!r}"
+                )
+        return Resume(
+            found=found, run_state=run_state, rank_state=load_rank_state(found, self.rank, self.world_size)
+        )
+
+    def save(
+        self,
+        *,
+        tick: int,
+        policy_version: int,
+        rank_state: dict[str, Any],
+        run_state: dict[str, Any] | None,
+        trainer: tuple[torch.nn.Module, torch.optim.Optimizer] | None,
+        trainer_group: dist.ProcessGroup | None,
+        before_commit: Callable[[], None] | None = None,
+    ) -> Path:
+        """Writes checkpoint `policy_version` (collective over every rank). `run_state` comes from rank 0
+        only; the tick to resume at and the settings are added to it here."""
+        if run_state is not None:
+            run_state = {
+                **run_state,
+                "tick": tick + 1,
+                "policy_version": policy_version,
+                "settings": self.settings,
+            }
+        return self.writer.save(
+            policy_version,
+            rank_state=rank_state,
+            trainer=trainer,
+            trainer_group=trainer_group,
+            controller_state=run_state,
+            before_commit=before_commit,
+        )

@@ -6,7 +6,8 @@ Shape legend: Q  held-out questions.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
 Z_95 = 1.959964  # two-sided 95% quantile of the standard normal
 
@@ -18,6 +19,10 @@ class EvalResult:
     policy_version: int  # the weights that answered
     greedy_Q: list[float]  # 1.0 where the greedy answer was right
     sampled_Q: list[float] | None = None  # mean reward of the sampled answers; None when not sampled
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready fields (what a checkpoint keeps); `EvalResult(**d)` reads them back."""
+        return asdict(self)
 
     @property
     def accuracy(self) -> float:

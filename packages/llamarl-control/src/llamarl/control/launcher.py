@@ -1,6 +1,6 @@
 """Starts the ranks of a run through torch elastic (what `torchrun` uses) and reports failures once.
 
-Every rank runs `llamarl.control.controller.Controller`. When any rank raises or dies, torch elastic
+Every rank runs `llamarl.control.spmd.run_rank`. When any rank raises or dies, torch elastic
 stops the others. With `max_restarts` R > 0 it then starts all ranks again, up to R times, and every
 restarted rank resumes from the latest complete checkpoint by itself. When no restart is left the
 launcher shows the first rank's original error (its traceback, written by
@@ -9,8 +9,6 @@ the rank itself to OUTPUT_DIR/errors/) once, and raises `RunFailed`.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import json
 import logging
 import os
@@ -28,12 +26,13 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from llamarl.control.config import RunConfig
-from llamarl.control.controller import Controller
+from llamarl.control.cli import RESOLVED_CONFIG, write_config
+from llamarl.control.config import RunConfig, replace_in
+from llamarl.control.faults import ERRORS_DIR
 from llamarl.control.net import free_port
+from llamarl.control.spmd import run_rank
 from llamarl.control.tasks import Example
 
-ERRORS_DIR = "errors"
 EXIT_GRACE_S = 2.0  # how long a failed rank waits before exiting, see _rank_main
 
 
@@ -46,23 +45,27 @@ class RunFailed(RuntimeError):
 
 
 def launch(config: RunConfig, train_examples: list[Example], eval_examples: list[Example]) -> dict[str, Any]:
-    """Runs the job on `config.world_size` ranks and returns the trainer's summary."""
-    config.validate()
-    output_dir = Path(config.output_dir)
+    """Runs the job on `config.world_size` ranks and returns the trainer's summary.
+
+    Writes the resolved config to OUTPUT_DIR/config.toml first: `--config` reruns it.
+    """
+    output_dir = config.output_dir
     output_dir.mkdir(parents=True, exist_ok=True)
+    write_config(config, output_dir / RESOLVED_CONFIG)
     errors_dir = output_dir / ERRORS_DIR
     shutil.rmtree(errors_dir, ignore_errors=True)
     errors_dir.mkdir()
-    endpoint = config.rdzv_endpoint or f"127.0.0.1:{free_port('127.0.0.1')}"
+    launch = config.launch
+    endpoint = launch.rdzv_endpoint or f"127.0.0.1:{free_port('127.0.0.1')}"
     launch_config = LaunchConfig(
-        min_nodes=config.nnodes,
-        max_nodes=config.nnodes,
-        nproc_per_node=config.world_size // config.nnodes,
+        min_nodes=launch.nnodes,
+        max_nodes=launch.nnodes,
+        nproc_per_node=config.world_size // launch.nnodes,
         run_id=f"llamarl-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
         rdzv_endpoint=endpoint,
-        rdzv_configs={"join_timeout": config.timeout_s},
-        max_restarts=config.max_restarts,  # restarted ranks resume from the latest checkpoint
+        rdzv_configs={"join_timeout": launch.timeout_s},
+        max_restarts=launch.max_restarts,  # restarted ranks resume from the latest checkpoint
         monitor_interval=0.2,
         start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=str(output_dir / "logs")),
@@ -91,19 +94,14 @@ def _rank_main(
     config: RunConfig, train_examples: list[Example], eval_examples: list[Example], errors_dir: str
 ) -> dict[str, Any] | None:
     """The body of every rank. On error it records its traceback and exits non-zero without printing."""
-    controller = None
     try:
         if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
             # torch elastic restarted the ranks after a failure: continue from the latest checkpoint.
-            config = dataclasses.replace(config, resume=True)
-        threads = config.threads_per_rank or _default_threads(config)
-        torch.set_num_threads(threads)
+            config = replace_in(config, **{"checkpoint.resume": True})
+        torch.set_num_threads(config.ranks.threads_per_rank or _default_threads(config))
         _quiet_libraries()
-        _init_default_group(config.timeout_s)
-        controller = Controller(config, train_examples, eval_examples)
-        controller.setup()
-        summary = controller.run()
-        controller.close()
+        _init_default_group(config.launch.timeout_s)
+        summary = run_rank(config, train_examples, eval_examples)  # closes its side, also on failure
         dist.destroy_process_group()
         return summary
     except BaseException as e:
@@ -115,10 +113,6 @@ def _rank_main(
             "traceback": traceback.format_exc(),
         }
         Path(errors_dir, f"rank{rank}.json").write_text(json.dumps(record))
-        if controller is not None:
-            # Free worker processes and sockets; the process exits right after either way.
-            with contextlib.suppress(Exception):
-                controller.close()
         # Torch elastic reports only the first exit it sees. A rank failing because a peer was killed
         # (closed connection) must not exit before the launcher has seen that peer's death, or the
         # run would be blamed on the wrong rank; a short grace period orders the two exits.
@@ -161,9 +155,9 @@ def _quiet_libraries() -> None:
 
 def _default_threads(config: RunConfig) -> int:
     cores = os.cpu_count() or 1
-    if config.mode == "sync":
+    if config.schedule.mode == "sync":
         return cores  # ranks take turns, so each may use every core
-    per_node = config.world_size // config.nnodes
+    per_node = config.world_size // config.launch.nnodes
     return max(1, cores // per_node)
 
 

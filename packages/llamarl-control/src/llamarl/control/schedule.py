@@ -10,8 +10,8 @@ gating in one place that tests can read without starting a process:
   batch t on the generators while the trainer trains on batch t - 1 (sampled by version t - 2): one
   policy version off, and the two halves run at the same time on their own ranks.
 
-`stream` mode has no ticks: see `llamarl.control.roles` (generators produce continuously into the
-trainer's `RolloutBuffer`).
+`stream` mode has no ticks: generators sample back to back (`GeneratorLoop.stream`) into the first
+trainer rank's `RolloutBuffer`, from which the trainer takes its batches (`TrainerLoop.stream`).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from llamarl.control.channels import concat_rollouts
+from llamarl.control.channels.rollouts import concat_rollouts
 from llamarl.exec.types import RolloutBatch
 
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from llamarl.exec.types import RolloutBatch
 
 # Cumulative generator counters (since the generator started) that travel with each batch; the
-# trainer takes their differences per step (llamarl.control.roles.GeneratorStats).
+# trainer takes their differences per step (llamarl.control.trainer_loop.GeneratorStats).
 GENERATOR_TOTALS = (
     "generate_s_total",  # seconds spent in generate calls
     "busy_s_total",  # seconds generating and scoring (the rest is idle: waiting, taking weights)

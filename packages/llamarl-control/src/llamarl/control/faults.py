@@ -1,0 +1,88 @@
+"""Fault injection for the fault-tolerance tests: a rank that raises or is killed at a chosen point.
+
+`LLAMARL_FAULT` holds one fault:
+
+- "RANK:TICK" raises on that rank at the start of that tick (tick -1: before the first evaluation);
+- "RANK:TICK:kill" kills it there instead (SIGKILL: no cleanup, as the out-of-memory killer does);
+- a last ":checkpoint" strikes inside that tick's checkpoint write, after the rank wrote its part and
+  before the commit;
+- "RANK:N:engine" kills (SIGKILL) that generator rank's vLLM engine half a second into its stream
+  request N; the rank itself lives on.
+
+Faults strike in the first attempt only, never after torch elastic restarted the ranks: the restarted run
+must get past the point where the first attempt failed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+FAULT_ENV = "LLAMARL_FAULT"
+ERRORS_DIR = "errors"  # OUTPUT_DIR/errors: each failed rank's record, and the injected fault's marker
+
+Phase = Literal["tick", "checkpoint", "request"]
+
+
+@dataclass(frozen=True)
+class Fault:
+    rank: int
+    tick: int  # the tick, or the stream request number of an engine fault
+    kill: bool  # SIGKILL instead of an exception
+    phase: Phase
+
+    @classmethod
+    def parse(cls, spec: str) -> Fault:
+        """A fault from "RANK:TICK[:kill][:checkpoint]" or "RANK:REQUEST:engine"."""
+        parts = spec.split(":")
+        try:
+            rank, tick = int(parts[0]), int(parts[1])
+        except (IndexError, ValueError):
+            raise ValueError(
+                f"{FAULT_ENV}={spec!r}: expected RANK:TICK[:kill][:checkpoint] or RANK:N:engine"
+            ) from None
+        flags = set(parts[2:])
+        phase: Phase = "checkpoint" if "checkpoint" in flags else "request" if "engine" in flags else "tick"
+        return cls(rank, tick, "kill" in flags, phase)
+
+
+class FaultInjector:
+    """This rank's fault, if `LLAMARL_FAULT` names it; `strike` is called at every point a fault may hit."""
+
+    def __init__(self, rank: int, output_dir: Path, spec: str | None = None) -> None:
+        spec = os.environ.get(FAULT_ENV) if spec is None else spec
+        fault = Fault.parse(spec) if spec else None
+        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        self.fault = fault if fault is not None and fault.rank == rank and not restarted else None
+        self.rank = rank
+        self.output_dir = output_dir
+
+    def strike(
+        self, tick: int, phase: Phase = "tick", *, engine_pid: Callable[[], int | None] | None = None
+    ) -> None:
+        """Raises, kills this rank, or kills its engine, when the fault is for this tick and phase."""
+        fault = self.fault
+        if fault is None or (fault.tick, fault.phase) != (tick, phase):
+            return
+        if phase == "request":  # the engine dies in the middle of this request; the rank lives on
+            pid = engine_pid() if engine_pid is not None else None
+            if pid is None:
+                raise ValueError(
+                    f"{FAULT_ENV}: the engine fault needs a generator with an engine (--generator vllm)"
+                )
+            threading.Timer(0.5, os.kill, args=(pid, signal.SIGKILL)).start()
+            self.fault = None
+            return
+        # Tests measure how long the run takes to end after the fault, so record when it struck.
+        marker = {"rank": self.rank, "tick": tick, "phase": phase, "time": time.time()}
+        (self.output_dir / ERRORS_DIR / "injected_fault.json").write_text(json.dumps(marker))
+        if fault.kill:
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise RuntimeError(f"injected failure on rank {self.rank} at tick {tick}, {phase} ({FAULT_ENV})")

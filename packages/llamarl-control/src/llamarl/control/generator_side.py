@@ -1,0 +1,211 @@
+"""The generator side of a run: ranks N..N+G-1, each with a `Generator` (transformers in the rank, or a
+vLLM engine in a child process), a rule `Rewarder` in worker processes, and a `GeneratorLoop`.
+
+Each generator samples its share of every step's prompts, scores its own completions, logs every sample
+(with the policy version that sampled it) to OUTPUT_DIR/samples.rank{r}.jsonl, and answers its share of
+the held-out questions in evaluations. Weights arrive straight from the trainer ranks
+(`Generator.receive_weights`: this rank's model, or its engine, joined the weight channel).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, TextIO
+
+import torch
+import torch.distributed as dist
+
+from llamarl.control import checkpoint as ckpt
+from llamarl.control.channels.rollouts import send_rollouts
+from llamarl.control.channels.stream import RolloutOutbox, StreamControl
+from llamarl.control.channels.weights import FIRST_TRAINER_RANK, WeightChannelAddress, connect_generator
+from llamarl.control.devices import generation_dtype
+from llamarl.control.generator_loop import GeneratorLoop
+from llamarl.control.prompts import PromptStream, TaskPrompts
+from llamarl.control.schedule import Tick
+from llamarl.control.side import Side
+from llamarl.exec import HFGenerator, ProcessRewarder, VLLMGenerator
+from llamarl.exec.types import Generator, RolloutBatch
+
+EVAL_CHUNK = 32  # prompts per greedy generate call during evaluation
+
+
+class GeneratorSide(Side):
+    """A generator rank."""
+
+    # Built by setup(); None until then, so that close() after a partial setup releases what exists.
+    generator: Generator | None = None
+    rewarder: ProcessRewarder | None = None
+    samples: TextIO | None = None
+
+    @property
+    def generator_index(self) -> int:
+        """This rank's index among the generators."""
+        return self.rank - self.config.ranks.num_trainers
+
+    def build_executors(self) -> None:
+        self.generator = self._build_generator()
+        self.generator.setup()
+        # One worker by default: answer checking is cheap next to generation, and the cores belong to
+        # the model.
+        self.rewarder = ProcessRewarder(self.task.reward_fn, self.config.reward)
+        self.rewarder.setup()
+        self.train_prompts = TaskPrompts(self.task, self.train_examples, self.tokenizer)
+        self.eval_prompts = TaskPrompts(self.task, self.eval_examples, self.tokenizer)
+        self._pending: tuple[RolloutBatch, dict[str, float]] | None = None  # made, not yet sent
+
+    def _build_generator(self) -> Generator:
+        cfg = self.config
+        seed = cfg.seed + self.rank
+        dtype = generation_dtype(self.device)
+        if cfg.generator.backend == "vllm":
+            return VLLMGenerator(
+                cfg.model,
+                cfg.sampling,
+                cfg.generator,
+                dtype=dtype,
+                seed=seed,
+                # The engine does this rank's work, so it gets this rank's share of the cores (all of
+                # them in sync mode, where ranks take turns); the rank itself only waits on it.
+                num_threads=torch.get_num_threads(),
+                start_timeout_s=cfg.launch.timeout_s,
+                timeout_s=cfg.launch.timeout_s,
+                log_path=str(self.output_dir / "logs" / f"vllm_engine.rank{self.rank}.log"),
+            )
+        return HFGenerator(cfg.model, cfg.sampling, device=str(self.device), dtype=dtype, seed=seed)
+
+    def open_channels(self, address: WeightChannelAddress) -> None:
+        cfg = self.config
+        connect_generator(self.generator, address, timeout_s=cfg.sync_deadline_s)
+        samples_path = self.output_dir / f"samples.rank{self.rank}.jsonl"
+        if self.resumed is not None:  # lines written after the checkpoint are made again, so cut them
+            ckpt.truncate(samples_path, self.resumed.rank_state["samples_bytes"])
+        self.samples = samples_path.open("a", encoding="utf-8")
+        self.loop = GeneratorLoop(
+            generator=self.generator,
+            rewarder=self.rewarder,
+            prompts=PromptStream(
+                self.prompt_order,
+                prompts_per_step=cfg.schedule.prompts_per_step,
+                generator_index=self.generator_index,
+                num_generators=cfg.ranks.num_generators,
+            ),
+            source=self.train_prompts,
+            sampling=cfg.sampling,
+            schedule=cfg.schedule,
+            weights_timeout_s=cfg.launch.timeout_s,
+            timeline=self.timeline,
+            sample_log=self.samples,
+            before_request=lambda n: self.faults.strike(
+                n, "request", engine_pid=lambda: self.generator.engine_pid
+            ),
+            replace_engines=cfg.replaces_engines,
+        )
+
+    def restore(self, resume: ckpt.Resume) -> None:
+        mine = resume.rank_state
+        self.loop.prompts.position = mine["prompt_position"]
+        if mine["pending"] is not None:
+            tensors, group_size, metrics = mine["pending"]
+            self._pending = (RolloutBatch(group_size=group_size, **tensors), metrics)
+        # The generator's cumulative counters continue from the checkpoint (the trainer takes their
+        # differences per step).
+        self.loop.restore_totals(mine["generator_totals"])
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        self.samples.flush()
+        pending = None
+        if self._pending is not None:
+            batch, metrics = self._pending
+            pending = (batch.tensors(), batch.group_size, metrics)
+        return {
+            "prompt_position": self.loop.prompts.position,
+            "generator_totals": self.loop.metrics(),
+            "pending": pending,  # async mode: the batch made but not yet sent
+            "samples_bytes": self.samples.tell(),
+        }
+
+    # ----------------------------------------------------------------------------------------------
+    # lock step
+
+    def generate(self, tick: Tick) -> None:
+        self._pending = self.loop.make_batch(tick.index)
+
+    def move_rollouts(self, tick: Tick) -> None:
+        assert self._pending is not None, "no batch to send"
+        send_rollouts(*self._pending, dst=FIRST_TRAINER_RANK)
+        self._pending = None
+
+    def sync_weights(self) -> None:
+        self.loop.tick = self.tick
+        self.loop.receive_weights()
+
+    def after_resume(self) -> None:
+        # A checkpoint of an async run's last tick holds no rollouts in flight; a longer run needs them,
+        # so they are made now (by the restored policy: lag 0 for that one batch).
+        cfg = self.config
+        if (
+            cfg.schedule.mode == "async"
+            and self._pending is None
+            and 0 < self.start_tick <= cfg.schedule.steps
+        ):
+            self._pending = self.loop.make_batch(self.start_tick - 1)
+
+    # ----------------------------------------------------------------------------------------------
+    # stream
+
+    def run_stream(self) -> None:
+        """Samples back to back and sends groups to the first trainer rank's buffer until it stops the run."""
+        control = StreamControl(dist.distributed_c10d._get_default_store())
+        outbox = RolloutOutbox(
+            lambda batch, metrics: send_rollouts(
+                batch, metrics, dst=FIRST_TRAINER_RANK, group=self.rollout_group
+            ),
+            timeout_s=self.config.launch.timeout_s,
+        )
+        self.loop.stream(control, outbox, in_flight=self.generator.supports_in_flight_updates)
+
+    # ----------------------------------------------------------------------------------------------
+    # evaluation
+
+    def score_evaluation(
+        self, greedy_Q: torch.Tensor, sampled_Q: torch.Tensor, version: torch.Tensor
+    ) -> None:
+        cfg = self.config
+        version[0] = self.loop.policy_version
+        mine = list(range(len(self.eval_examples)))[self.generator_index :: cfg.ranks.num_generators]
+        # The trainer idles during evaluation, so the generators may use its cores too (unless the user
+        # fixed the threads per rank: on a shared machine more threads can be slower).
+        threads = torch.get_num_threads()
+        if cfg.ranks.threads_per_rank is None:
+            torch.set_num_threads(max(threads, (os.cpu_count() or 1) // cfg.ranks.num_generators))
+        try:
+            for first in range(0, len(mine), EVAL_CHUNK):
+                chunk = mine[first : first + EVAL_CHUNK]
+                greedy_Q[chunk] = torch.tensor(
+                    self._score_questions(chunk, samples=1, greedy=True), dtype=torch.float64
+                )
+                if cfg.eval.samples:
+                    sampled_Q[chunk] = torch.tensor(
+                        self._score_questions(chunk, samples=cfg.eval.samples, greedy=False),
+                        dtype=torch.float64,
+                    )
+        finally:
+            torch.set_num_threads(threads)
+
+    def _score_questions(self, indices: list[int], *, samples: int, greedy: bool) -> list[float]:
+        """The mean reward of `samples` completions of each held-out question."""
+        batch = self.generator.generate(
+            [self.eval_prompts.encode(i) for i in indices],
+            samples_per_prompt=samples,
+            max_new_tokens=self.config.sampling.max_new_tokens,
+            greedy=greedy,
+        )
+        references = [self.eval_prompts.reference(i) for i in indices for _ in range(samples)]
+        scores = self.rewarder.score(self.eval_prompts.decode(batch), references)
+        return [sum(scores[q * samples : (q + 1) * samples]) / samples for q in range(len(indices))]
+
+    def close(self) -> None:
+        for part in (self.rewarder, self.generator, self.samples):
+            if part is not None:
+                part.close()

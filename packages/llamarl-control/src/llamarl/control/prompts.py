@@ -1,0 +1,100 @@
+"""Prompts: which dataset rows a generator samples, in which order, and how a row becomes token ids.
+
+- `PromptStream`: one generator's share of every step's prompts, in the run's shuffled order.
+- `PromptSource`: what a generator loop needs of the examples (token ids, reference, question, decoded
+  completions); `TaskPrompts` is the real one, through the model's chat template.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from llamarl.control.tasks import Example, Task
+from llamarl.exec.types import RolloutBatch
+
+
+class PromptStream:
+    """The prompts one generator samples, in order: its share of every step's prompts.
+
+    The k-th prompt of generator g is the (k mod S)-th of g's S = prompts_per_step / num_generators
+    slots in step k // S of the shuffled `order`, so a lock-step run that takes S per tick sees exactly
+    the prompts of that tick; dynamic sampling and stream mode simply read further. `position` is the
+    state to checkpoint.
+    """
+
+    def __init__(self, order: list[int], *, prompts_per_step: int, generator_index: int, num_generators: int):
+        self.order = order
+        self.prompts_per_step = prompts_per_step
+        self.share = prompts_per_step // num_generators
+        self.offset = generator_index * self.share
+        self.position = 0
+
+    def take(self, count: int) -> list[int]:
+        """The next `count` dataset indices of this generator."""
+        indices = []
+        for k in range(self.position, self.position + count):
+            step, slot = divmod(k, self.share)
+            indices.append(self.order[(step * self.prompts_per_step + self.offset + slot) % len(self.order)])
+        self.position += count
+        return indices
+
+
+class PromptSource(Protocol):
+    """The examples of one split as a generator sees them, by dataset index."""
+
+    def encode(self, index: int) -> list[int]:
+        """Token ids of example `index`'s prompt (chat template applied), no padding."""
+        ...
+
+    def reference(self, index: int) -> str:
+        """The reference answer the reward checks against."""
+        ...
+
+    def question(self, index: int) -> str:
+        """The question as text (for the samples log)."""
+        ...
+
+    def decode(self, batch: RolloutBatch) -> list[str]:
+        """The completions of `batch` as text, special tokens dropped."""
+        ...
+
+
+def load_tokenizer(model: str):
+    """The model's tokenizer with left padding (prompts are left-padded for batched generation)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+class TaskPrompts:
+    """A task's examples through a model's chat template; implements `PromptSource` (encodings cached)."""
+
+    def __init__(self, task: Task, examples: list[Example], tokenizer) -> None:
+        self.task = task
+        self.examples = examples
+        self.tokenizer = tokenizer
+        self._ids: dict[int, list[int]] = {}
+
+    def encode(self, index: int) -> list[int]:
+        if index not in self._ids:
+            ids = self.tokenizer.apply_chat_template(
+                self.task.messages(self.examples[index]), add_generation_prompt=True, tokenize=True
+            )
+            # Newer transformers return a BatchEncoding here; older ones a plain list.
+            self._ids[index] = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        return self._ids[index]
+
+    def reference(self, index: int) -> str:
+        return self.examples[index].reference
+
+    def question(self, index: int) -> str:
+        return self.examples[index].question
+
+    def decode(self, batch: RolloutBatch) -> list[str]:
+        ids = [
+            row[mask.bool()].tolist()
+            for row, mask in zip(batch.completion_ids_BC, batch.completion_mask_BC, strict=True)
+        ]
+        return self.tokenizer.batch_decode(ids, skip_special_tokens=True)

@@ -1,0 +1,36 @@
+"""What every rank runs (SPMD): pick this rank's side, build it, run it, tear it down.
+
+    rank r ──▶ r < num_trainers ? TrainerSide : GeneratorSide
+               side.setup()    models, executors, channels, the resumed checkpoint
+               side.run()      the schedule (llamarl.control.schedule), evaluations, checkpoints
+               side.close()    always, even after a failure
+
+`llamarl.control.launcher` starts one process per rank through torch elastic and calls `run_rank` in
+each, with the default (gloo) process group initialised.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+from llamarl.control.config import RunConfig
+from llamarl.control.generator_side import GeneratorSide
+from llamarl.control.side import Side
+from llamarl.control.tasks import Example
+from llamarl.control.trainer_side import TrainerSide
+
+
+def run_rank(
+    config: RunConfig, train_examples: list[Example], eval_examples: list[Example]
+) -> dict[str, Any] | None:
+    """Runs this rank's side of the job; returns the summary on the first trainer rank, None elsewhere."""
+    rank = dist.get_rank()
+    kind = TrainerSide if rank < config.ranks.num_trainers else GeneratorSide
+    side: Side = kind(config, train_examples, eval_examples, rank=rank)
+    try:
+        side.setup()
+        return side.run()
+    finally:
+        side.close()

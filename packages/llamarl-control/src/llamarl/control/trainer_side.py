@@ -1,0 +1,316 @@
+"""The trainer side of a run: ranks 0..N-1, each with a `PolicyTrainer` (FSDP2 over the trainer ranks'
+group when N > 1 or on CUDA) and a `TrainerLoop`.
+
+The first trainer rank receives every generator's rollouts and relays each other trainer rank its part
+(whole groups), logs the metrics, keeps the histories that checkpoints and the summary need, and writes
+the summary, the report and the final model. Every trainer rank sends its own shards of the weights to
+the generators (llamarl.comm: nothing is gathered).
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from llamarl.comm import WeightSender, WeightSyncGroup
+from llamarl.control import checkpoint as ckpt
+from llamarl.control.channels.buffer import RolloutBuffer
+from llamarl.control.channels.rollouts import concat_rollouts, recv_rollouts, send_rollouts
+from llamarl.control.channels.stream import StreamControl, drain_into_buffer
+from llamarl.control.channels.weights import FIRST_TRAINER_RANK, WeightChannelAddress, open_sender
+from llamarl.control.devices import trainer_compute_dtype, weight_wire_dtype
+from llamarl.control.evaluation import EvalResult
+from llamarl.control.metrics import MetricsLogger
+from llamarl.control.report import write_report
+from llamarl.control.schedule import Tick
+from llamarl.control.side import Side
+from llamarl.control.summary import build_summary, write_summary
+from llamarl.control.trainer_loop import TrainerLoop
+from llamarl.exec import PolicyTrainer
+from llamarl.exec.types import RolloutBatch
+
+
+class TrainerSide(Side):
+    """A trainer rank."""
+
+    # Built by setup(); None until then, so that close() after a partial setup releases what exists.
+    trainer: PolicyTrainer | None = None
+    weight_group: WeightSyncGroup | None = None
+    sender: WeightSender | None = None
+
+    def build_executors(self) -> None:
+        cfg = self.config
+        # FSDP2 with several trainer ranks, and on CUDA always (its mixed precision keeps fp32 master
+        # weights while computing in bf16); one CPU rank trains the plain module, in fp32.
+        sharded = cfg.ranks.num_trainers > 1 or self.device.type == "cuda"
+        self.trainer = PolicyTrainer(
+            cfg.model,
+            cfg.trainer,
+            cfg.algorithm,
+            temperature=cfg.sampling.temperature,
+            total_steps=cfg.schedule.steps,
+            device=str(self.device),
+            param_dtype=trainer_compute_dtype(self.device),
+            seed=cfg.seed,
+            group=self.trainer_group if sharded else None,
+        )
+        self.trainer.setup()
+        self.stream_counts: dict[str, int] = {}  # stream mode: the buffer's counts at the end
+        self.step_records: list[dict[str, float]] = []  # first trainer rank: every step's metrics
+        self.evaluations: list[EvalResult] = []  # first trainer rank: every evaluation, in order
+        # (this rank's part, the whole batch on the first rank) arrived, not yet trained on
+        self._received: tuple[RolloutBatch, RolloutBatch] | None = None
+
+    def open_channels(self, address: WeightChannelAddress) -> None:
+        cfg = self.config
+        self.weight_group, self.sender = open_sender(
+            self.trainer.model,
+            address,
+            timeout_s=cfg.sync_deadline_s,
+            bucket_mb=cfg.weight_sync.bucket_mb,
+            wire_dtype=weight_wire_dtype(self.device),
+        )
+        self.loop = TrainerLoop(
+            trainer=self.trainer,
+            send_weights=self.sender.send,
+            max_policy_lag=cfg.schedule.max_policy_lag,
+            timeline=self.timeline,
+            clock=self.loop_clock,
+            tolerate_sync_failures=cfg.replaces_engines,
+        )
+        if self.is_logger:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            saved = self.resumed.run_state if self.resumed is not None else {}
+            if self.resumed is not None:  # lines written after the checkpoint are made again, so cut them
+                ckpt.truncate(self.output_dir / "metrics.jsonl", saved["metrics_bytes"])
+            self.logger = MetricsLogger(
+                output_dir=self.output_dir,
+                total_steps=cfg.schedule.steps,
+                config=cfg.model_dump(mode="json"),
+                wandb_project=cfg.output.wandb_project if cfg.output.wandb else None,
+                wandb_id=saved.get("wandb_id"),
+                initial_step=saved.get("policy_version", 0),
+            )
+
+    def restore(self, resume: ckpt.Resume) -> None:
+        ckpt.load_trainer(resume.found, self.trainer.model, self.trainer.optimizer, self.trainer_group)
+        self.trainer.policy_version = resume.run_state["policy_version"]
+        if self.is_logger:
+            saved = resume.run_state
+            self.step_records = saved["step_records"]
+            self.evaluations = [EvalResult(**e) for e in saved["evaluations"]]
+            self.loop.last_sync_s = saved["last_sync_s"]
+            self.loop.generator_stats.restore(saved["generator_stats"])
+            self.logger.write(f"resumed from {resume.found.path} (policy_version {resume.found.step})")
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        return {}
+
+    def run_state(self) -> dict[str, Any] | None:
+        if not self.is_logger:
+            return None
+        return {
+            "step_records": self.step_records,
+            "evaluations": [e.as_dict() for e in self.evaluations],
+            "last_sync_s": self.loop.last_sync_s,
+            "generator_stats": self.loop.generator_stats.state(),
+            "wandb_id": self.logger.wandb_id,
+            "metrics_bytes": self.logger.jsonl_bytes(),
+        }
+
+    def trainer_parts(self) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        assert self.trainer.model is not None and self.trainer.optimizer is not None
+        return self.trainer.model, self.trainer.optimizer
+
+    # ----------------------------------------------------------------------------------------------
+    # lock step
+
+    def move_rollouts(self, tick: Tick) -> None:
+        """The first trainer rank receives every generator's batch and relays each other trainer rank
+        its part (whole groups); the other trainer ranks receive their part from it."""
+        if not self.is_logger:
+            part, _ = recv_rollouts(src=FIRST_TRAINER_RANK)
+            assert part is not None
+            self._received = (part, part)
+            return
+        batches = []
+        for r in self.generator_ranks:
+            batch, metrics = recv_rollouts(src=r)
+            assert batch is not None
+            self.loop.generator_stats.update(r, metrics)
+            batches.append(batch)
+        whole = concat_rollouts(batches)
+        self._received = (self._split_across_trainers(whole), whole)
+
+    def _split_across_trainers(self, batch: RolloutBatch) -> RolloutBatch:
+        """Sends trainer rank r its part r of `batch`; returns this rank's part. Rollouts are small next
+        to weights, so one rank relays them."""
+        num_trainers = len(self.trainer_ranks)
+        for r in self.trainer_ranks[1:]:
+            send_rollouts(batch.data_parallel_part(r, num_trainers), {}, dst=r)
+        return batch.data_parallel_part(0, num_trainers)
+
+    def sync_weights(self) -> None:
+        self.loop.tick = self.tick
+        self.loop.send_weights()
+
+    def train(self, tick: Tick) -> None:
+        assert self._received is not None, "no batch to train on"
+        part, whole = self._received
+        self._received = None
+        self.loop.tick = tick.index
+        self._log_step(self.loop.train(part, whole))
+
+    def _log_step(self, record: dict[str, float]) -> None:
+        if self.is_logger:
+            self.step_records.append(record)
+            self.logger.log(self.trainer.policy_version, record)
+
+    # ----------------------------------------------------------------------------------------------
+    # stream
+
+    def run_stream(self) -> None:
+        """The trainer takes the oldest groups still within max_policy_lag from the buffer the
+        generators fill (first in, first out: no group waits forever), trains, and sends the weights."""
+        cfg = self.config
+        steps = cfg.schedule.steps
+        if not self.is_logger:  # another FSDP2 trainer rank: its part of every batch comes from rank 0
+
+            def take_part() -> RolloutBatch:
+                part, _ = recv_rollouts(src=FIRST_TRAINER_RANK)
+                assert part is not None
+                return part
+
+            self.loop.stream(
+                steps=steps, take=take_part, relay=lambda b: b, control=None, on_step=self._log_step
+            )
+            return
+        control = StreamControl(dist.distributed_c10d._get_default_store())
+        buffer = RolloutBuffer(capacity_groups=cfg.buffer_groups, max_policy_lag=cfg.schedule.max_policy_lag)
+        errors: list[BaseException] = []
+        discarded = [0]
+
+        def drain(src: int) -> None:
+            try:
+                discarded[0] += drain_into_buffer(
+                    buffer,
+                    lambda: recv_rollouts(src=src, group=self.rollout_group),
+                    lambda metrics: self.loop.generator_stats.update(src, metrics),
+                    timeout_s=cfg.launch.timeout_s,
+                )
+            except BaseException as e:  # the trainer's take() raises it through the closed buffer
+                errors.append(e)
+                buffer.close()
+
+        threads = [
+            threading.Thread(target=drain, args=(r,), name=f"rollouts-from-{r}", daemon=True)
+            for r in self.generator_ranks
+        ]
+        for thread in threads:
+            thread.start()
+
+        def take() -> RolloutBatch:
+            try:
+                return buffer.take(
+                    cfg.schedule.prompts_per_step,
+                    current_version=self.trainer.policy_version,
+                    timeout_s=cfg.launch.timeout_s,
+                    on_wait=lambda: self.loop.answer_weight_requests(control),
+                )
+            except Exception as e:
+                if errors:
+                    raise errors[0] from e
+                raise
+
+        def on_step(record: dict[str, float]) -> None:
+            record["stream/dropped_stale_groups"] = float(buffer.counts.dropped_stale)
+            record["stream/buffered_groups"] = float(len(buffer))
+            self._log_step(record)
+
+        self.loop.stream(
+            steps=steps, take=take, relay=self._split_across_trainers, control=control, on_step=on_step
+        )
+        buffer.close()  # what still arrives is received and discarded until every generator ends
+        for thread in threads:
+            thread.join(cfg.launch.timeout_s)
+            if thread.is_alive():
+                raise TimeoutError(f"{thread.name}: a generator did not end its stream in time")
+        if errors:
+            raise errors[0]
+        self.stream_counts = {
+            "dropped_stale_groups": buffer.counts.dropped_stale,
+            "received_groups": buffer.counts.received,
+            "unused_groups": buffer.counts.received - buffer.counts.taken - buffer.counts.dropped_stale,
+            "discarded_batches": discarded[0],
+        }
+
+    # ----------------------------------------------------------------------------------------------
+    # the end
+
+    def save_final_model(self) -> None:
+        if not self.config.output.save_model:
+            return
+        state_dict = self.trainer.full_state_dict()  # a collective over the trainer ranks
+        if self.is_logger:
+            _save_model(self.trainer.model, self.tokenizer, self.output_dir / "final_model", state_dict)
+
+    def record_evaluation(self, result: EvalResult, when: str) -> None:
+        if not self.is_logger:
+            return
+        sampled = f", sampled {result.sampled_accuracy:.3f}" if result.has_samples else ""
+        self.logger.write(
+            f"eval ({when}, policy_version {result.policy_version}): greedy accuracy "
+            f"{result.accuracy:.3f}{sampled} on {len(result.greedy_Q)} questions"
+        )
+        record = {"eval/accuracy": result.accuracy, "eval/policy_version": float(result.policy_version)}
+        if result.has_samples:
+            record["eval/sampled_accuracy"] = result.sampled_accuracy
+        self.logger.log(self.trainer.policy_version, record, advance=False)
+        self.evaluations.append(result)
+
+    def summarize(self, *, run_s: float, loop_s: float, peak_rss_mb: list[float]) -> dict[str, Any] | None:
+        if not self.is_logger:
+            return None
+        summary = build_summary(
+            self.config,
+            records=self.step_records,
+            evaluations=self.evaluations,
+            eval_size=len(self.eval_examples),
+            last_sync_s=self.loop.last_sync_s,
+            sync_failures=self.loop.sync_failures,
+            stream_counts=self.stream_counts,
+            final_policy_version=self.trainer.policy_version,
+            resumed_from_step=None if self.resumed is None else self.resumed.found.step,
+            run_s=run_s,
+            loop_s=loop_s,
+            peak_rss_mb=peak_rss_mb,
+        )
+        write_summary(self.output_dir, summary)
+        self.logger.close(summary)
+        summary["wandb_dir"] = self.logger.wandb_dir
+        try:
+            write_report(self.output_dir)
+        except Exception as e:  # a picture must never fail a finished run
+            self.logger.write(f"warning: could not draw {self.output_dir / 'report.png'}: {e}")
+        return summary
+
+    def close(self) -> None:
+        for part in (self.sender, self.weight_group, self.trainer):
+            if part is not None:
+                part.close()
+
+
+def _save_model(model: torch.nn.Module, tokenizer, path: Path, state_dict: dict[str, torch.Tensor]) -> None:
+    """Writes the policy (its gathered `state_dict`) as a transformers folder, atomically: a crash never
+    leaves half a model."""
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, state_dict=state_dict)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(path, ignore_errors=True)
+    tmp.rename(path)
