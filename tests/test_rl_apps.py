@@ -266,12 +266,20 @@ def test_a_failing_rank_ends_the_run_with_its_error_once(tiny_model_dir, gsm8k_d
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--steps", "zero"], "argument --steps: invalid int value"),
-        (["--steps", "0"], "steps must be at least 1"),
-        (["--mode", "fast"], "argument --mode: invalid choice"),
-        (["--prompts-per-step", "3", "--num-generators", "2"], "must be a multiple of num_generators"),
-        (["--loss-arg", "rho"], "--loss-arg expects KEY=NUMBER"),
-        (["--prompts-per-step", "3", "--num-trainers", "2"], "must be a multiple of num_trainers"),
+        (["--steps", "zero"], "schedule.steps (--steps): Input should be a valid integer"),
+        (["--steps", "0"], "schedule.steps (--steps): Input should be greater than or equal to 1, got '0'"),
+        (
+            ["--mode", "fast"],
+            "schedule.mode (--mode): Input should be 'async', 'sync' or 'stream', got 'fast'",
+        ),
+        (
+            ["--prompts-per-step", "3", "--num-generators", "2"],
+            "must be a multiple of ranks.num_generators (2)",
+        ),
+        (["--loss-arg", "rho"], "algorithm.loss_hparams (--loss-arg): expects KEY=VALUE"),
+        (["--loss-arg", "rhoo=2"], "algorithm: policy loss 'aipo' has no hyper-parameter rhoo"),
+        (["--prompts-per-step", "3", "--num-trainers", "2"], "multiple of ranks.num_trainers (2) (each"),
+        (["--trainer.bogus", "1"], "unrecognized arguments: --trainer.bogus 1"),
     ],
 )
 def test_bad_flags_end_in_one_line(tiny_model_dir, gsm8k_dir, tmp_path, args, message):
@@ -293,28 +301,26 @@ def test_missing_model_and_bad_data_end_in_one_line(tiny_model_dir, tmp_path):
     )
 
 
-@pytest.mark.parametrize("recipe", sorted(p.name for p in (REPO / "recipes").glob("*.args")))
+@pytest.mark.parametrize("recipe", sorted(p.name for p in (REPO / "recipes").glob("*.toml")))
 def test_recipes_parse_into_valid_configs(recipe):
-    sys.path.insert(0, str(REPO / "apps"))
-    try:
-        import rl_app
-    finally:
-        sys.path.pop(0)
+    from llamarl.control.cli import parse_run_config
+
     task = recipe.split("_")[0]
-    args = rl_app.build_parser(task).parse_args([f"@{REPO / 'recipes' / recipe}"])
-    config = rl_app.config_from_args(task, args, model=args.model or "unused")
-    config.validate()
-    assert config.steps >= 30 and config.eval_size >= 100
-    # Later flags override the file's.
-    args = rl_app.build_parser(task).parse_args([f"@{REPO / 'recipes' / recipe}", "--steps", "3"])
-    assert args.steps == 3
+    path = str(REPO / "recipes" / recipe)
+    config = parse_run_config(["--config", path], task=task, prog="app", description="")
+    assert config.schedule.steps >= 30 and config.eval.size >= 100
+    # Flags after the file override it; the rest of the file stays.
+    config = parse_run_config(["--config", path, "--steps", "3"], task=task, prog="app", description="")
+    assert config.schedule.steps == 3 and config.eval.size >= 100
 
 
-def test_a_missing_flags_file_ends_in_one_line(tmp_path):
-    result = run_app("arith_rl", f"@{tmp_path / 'nope.args'}", timeout=120)
+def test_a_flags_file_of_before_ends_in_one_line_naming_the_config_file(tmp_path):
+    result = run_app("arith_rl", "@recipes/arith_cpu.args", timeout=120)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "No such file or directory" in lines[0] and "nope.args" in lines[0], lines
+    assert len(lines) == 1 and lines[0].startswith("arith_rl: error: @recipes/arith_cpu.args: flag"), lines
+    assert lines[0].endswith("recipes are config files now: --config recipes/arith_cpu.toml"), lines
+    assert (REPO / "recipes" / "arith_cpu.toml").is_file()
 
 
 # ---------------------------------------------------------------------------------------------------------
