@@ -66,3 +66,14 @@ def test_every_registered_estimator_runs_by_name():
     assert_close(
         get_advantage_estimator("group_mean_std", eps=1.0)(rewards_B[:2], 2), torch.tensor([1 / 3, -1 / 3])
     )
+
+
+@pytest.mark.parametrize("name", ["group_mean", "group_mean_std", "rloo", "reinforce_pp_baseline"])
+def test_equal_float32_rewards_give_exactly_zero(name):
+    # The float32 mean of 8 x 0.1 is 0.1 + 7.5e-9; divided by that group's std (7.5e-9) + 1e-6, GRPO
+    # gave every sample an advantage of 0.0074 (and 0.49 for 6 x 10.1), a push with no signal behind it.
+    rewards_B = torch.cat([torch.full((8,), 0.1), torch.full((8,), 10.1), torch.arange(8.0)])
+    advantages_B = get_advantage_estimator(name)(rewards_B, 8)
+    assert advantages_B.dtype == torch.float32
+    assert (advantages_B[:16] == 0).all(), advantages_B
+    assert (advantages_B[16:] != 0).all()
