@@ -77,3 +77,32 @@ def test_equal_float32_rewards_give_exactly_zero(name):
     assert advantages_B.dtype == torch.float32
     assert (advantages_B[:16] == 0).all(), advantages_B
     assert (advantages_B[16:] != 0).all()
+
+
+@pytest.mark.parametrize(
+    ("dtype", "expected_dtype"),
+    [
+        (torch.int64, torch.float32),
+        (torch.bool, torch.float32),
+        (torch.bfloat16, torch.float32),
+        (torch.float64, torch.float64),
+    ],
+)
+def test_integer_and_low_precision_rewards_give_float32_advantages(dtype, expected_dtype):
+    # Rule rewards often arrive as 0/1 integers or booleans: the mean needs a float.
+    rewards_B = torch.tensor([1, 0, 0, 1, 1, 1]).to(dtype)
+    advantages_B = group_advantages(rewards_B, 3)
+    assert advantages_B.dtype == expected_dtype
+    assert_close(advantages_B, torch.tensor([2 / 3, -1 / 3, -1 / 3, 0.0, 0.0, 0.0], dtype=expected_dtype))
+
+
+def test_rloo_with_two_samples_is_the_difference_of_their_rewards():
+    advantages_B = rloo_advantages(torch.tensor([1.0, 0.0, 0.5, 2.0]), 2)
+    assert_close(advantages_B, torch.tensor([1.0, -1.0, -1.5, 1.5]))
+
+
+def test_reinforce_pp_baseline_adds_eps_to_the_batch_std():
+    rewards_B = torch.tensor([1.0, 0.0, 3.0, 3.0], dtype=torch.float64)
+    advantages_B = reinforce_pp_baseline_advantages(rewards_B, 2, eps=1.0)
+    expected = torch.tensor([0.5, -0.5, 0.0, 0.0], dtype=torch.float64) / (math.sqrt(0.125) + 1.0)
+    assert_close(advantages_B, expected)
