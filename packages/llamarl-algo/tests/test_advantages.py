@@ -66,3 +66,43 @@ def test_every_registered_estimator_runs_by_name():
     assert_close(
         get_advantage_estimator("group_mean_std", eps=1.0)(rewards_B[:2], 2), torch.tensor([1 / 3, -1 / 3])
     )
+
+
+@pytest.mark.parametrize("name", ["group_mean", "group_mean_std", "rloo", "reinforce_pp_baseline"])
+def test_equal_float32_rewards_give_exactly_zero(name):
+    # The float32 mean of 8 x 0.1 is 0.1 + 7.5e-9; divided by that group's std (7.5e-9) + 1e-6, GRPO
+    # gave every sample an advantage of 0.0074 (and 0.49 for 6 x 10.1), a push with no signal behind it.
+    rewards_B = torch.cat([torch.full((8,), 0.1), torch.full((8,), 10.1), torch.arange(8.0)])
+    advantages_B = get_advantage_estimator(name)(rewards_B, 8)
+    assert advantages_B.dtype == torch.float32
+    assert (advantages_B[:16] == 0).all(), advantages_B
+    assert (advantages_B[16:] != 0).all()
+
+
+@pytest.mark.parametrize(
+    ("dtype", "expected_dtype"),
+    [
+        (torch.int64, torch.float32),
+        (torch.bool, torch.float32),
+        (torch.bfloat16, torch.float32),
+        (torch.float64, torch.float64),
+    ],
+)
+def test_integer_and_low_precision_rewards_give_float32_advantages(dtype, expected_dtype):
+    # Rule rewards often arrive as 0/1 integers or booleans: the mean needs a float.
+    rewards_B = torch.tensor([1, 0, 0, 1, 1, 1]).to(dtype)
+    advantages_B = group_advantages(rewards_B, 3)
+    assert advantages_B.dtype == expected_dtype
+    assert_close(advantages_B, torch.tensor([2 / 3, -1 / 3, -1 / 3, 0.0, 0.0, 0.0], dtype=expected_dtype))
+
+
+def test_rloo_with_two_samples_is_the_difference_of_their_rewards():
+    advantages_B = rloo_advantages(torch.tensor([1.0, 0.0, 0.5, 2.0]), 2)
+    assert_close(advantages_B, torch.tensor([1.0, -1.0, -1.5, 1.5]))
+
+
+def test_reinforce_pp_baseline_adds_eps_to_the_batch_std():
+    rewards_B = torch.tensor([1.0, 0.0, 3.0, 3.0], dtype=torch.float64)
+    advantages_B = reinforce_pp_baseline_advantages(rewards_B, 2, eps=1.0)
+    expected = torch.tensor([0.5, -0.5, 0.0, 0.0], dtype=torch.float64) / (math.sqrt(0.125) + 1.0)
+    assert_close(advantages_B, expected)

@@ -77,3 +77,24 @@ def test_kl_penalty_gradient_masking_extremes_and_micro_batches(estimator):
     assert torch.isfinite(extreme)
     with pytest.raises(ValueError, match="k1, k2, k3"):
         kl_penalty_loss(logprobs_BT, ref_BT, mask_BT, estimator="k4", num_valid_tokens=6)
+
+
+def test_kl_penalty_defaults_to_k3():
+    logprobs_BT = torch.tensor([[-1.0, -2.0]], dtype=torch.float64)
+    ref_BT = torch.tensor([[-1.5, -1.0]], dtype=torch.float64)
+    mask_BT = torch.ones(1, 2)
+    loss, metrics = kl_penalty_loss(logprobs_BT, ref_BT, mask_BT, num_valid_tokens=2)
+    assert set(metrics) == {"kl_k3"}
+    assert_close(loss, kl_k3(logprobs_BT, ref_BT).mean())
+
+
+def test_log_ratios_saturate_at_the_limit_on_both_sides():
+    # A token 100 nats less likely under the reference counts as 20 nats (LOG_RATIO_LIMIT), not 100:
+    # one such token would otherwise dominate the batch's penalty.
+    logprobs_BT = torch.tensor([[-1.0, -101.0]], dtype=torch.float64)
+    ref_BT = torch.tensor([[-101.0, -1.0]], dtype=torch.float64)
+    # log r = ref - logp = [-100, 100] -> clamped to [-20, 20]
+    assert_close(kl_k1(logprobs_BT, ref_BT), torch.tensor([[20.0, -20.0]], dtype=torch.float64))
+    assert_close(kl_k2(logprobs_BT, ref_BT), torch.tensor([[200.0, 200.0]], dtype=torch.float64))
+    k3 = [math.exp(-20) - 1 + 20, math.exp(20) - 1 - 20]
+    assert_close(kl_k3(logprobs_BT, ref_BT), torch.tensor([k3], dtype=torch.float64))

@@ -126,3 +126,72 @@ def test_sliced_logits_are_not_copied():
         token_logprobs(logits_BTV, torch.zeros(2, 8, dtype=torch.long), chunk_size=4).sum().backward()
     (saved_logits,) = [t for t in saved if t.dim() == 3]
     assert saved_logits.data_ptr() == full_BTV.data_ptr()  # the caller's view, not a flattened copy
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_logits_give_float32_logprobs_and_a_once_rounded_gradient(dtype):
+    # Only the inputs are low precision: log-probs are float32 (what the losses need to form ratios),
+    # and the gradient is the exact one rounded once to the logits' dtype (not computed in it).
+    gen = torch.Generator().manual_seed(7)
+    logits_BTV = (torch.randn(3, 5, 11, generator=gen) * 4).to(dtype).requires_grad_()
+    token_ids_BT = torch.randint(0, 11, (3, 5), generator=gen)
+    weights_BT = torch.randn(3, 5, generator=gen)
+    logprobs_BT = token_logprobs(logits_BTV, token_ids_BT, temperature=0.7, chunk_size=4)
+    (logprobs_BT * weights_BT).sum().backward()
+    reference = logits_BTV.detach().double().requires_grad_()
+    expected_BT = _reference_logprobs(reference, token_ids_BT, temperature=0.7)
+    (expected_BT * weights_BT.double()).sum().backward()
+    assert logprobs_BT.dtype == torch.float32 and logits_BTV.grad.dtype == dtype
+    assert_close(logprobs_BT.double(), expected_BT.detach(), rtol=1e-6, atol=1e-6)
+    # Within one unit in the last place of the exact gradient (rounding itself costs half of one);
+    # computing in bf16 instead is off by several.
+    assert_close(logits_BTV.grad.double(), reference.grad, rtol=torch.finfo(dtype).eps, atol=1e-6)
+
+
+def test_backward_writes_the_gradient_in_the_logits_dtype():
+    # Each chunk's float32 gradient goes straight into a buffer of the logits' dtype. A float32 buffer of
+    # every token would double the peak memory, and autograd would hide it by casting the result, so
+    # this reads the gradient as the backward node itself returns it.
+    logits_BTV = torch.randn(2, 16, 500).bfloat16().requires_grad_()
+    logprobs_BT = token_logprobs(logits_BTV, torch.zeros(2, 16, dtype=torch.long), chunk_size=8)
+    (node,) = [fn for fn, _ in logprobs_BT.grad_fn.next_functions if fn is not None]
+    grad_BTV = node.apply(torch.ones(2, 16))[0]
+    assert grad_BTV.dtype == torch.bfloat16 and grad_BTV.shape == logits_BTV.shape
+
+
+def test_token_logprobs_one_and_zero_tokens():
+    logits_BTV = torch.tensor([[[0.0, 0.0]], [[2.0, 0.0]]], dtype=torch.float64)
+    logprobs_BT = token_logprobs(logits_BTV, torch.tensor([[0], [1]]))
+    assert_close(logprobs_BT, _reference_logprobs(logits_BTV, torch.tensor([[0], [1]])))
+    empty_BT = token_logprobs(torch.zeros(3, 0, 5), torch.zeros(3, 0, dtype=torch.long))
+    assert empty_BT.shape == (3, 0)
+
+
+def test_token_logprobs_errors_name_the_problem():
+    logits_BTV = torch.zeros(2, 3, 5)
+    token_ids_BT = torch.zeros(2, 3, dtype=torch.long)
+    for temperature in (0.0, -1.0):
+        with pytest.raises(ValueError, match=f"temperature must be positive, got {temperature}"):
+            token_logprobs(logits_BTV, token_ids_BT, temperature=temperature)
+    for chunk_size in (0, -4):
+        with pytest.raises(ValueError, match=f"chunk_size must be positive, got {chunk_size}"):
+            token_logprobs(logits_BTV, token_ids_BT, chunk_size=chunk_size)
+    with pytest.raises(ValueError, match=r"logits \(2, 3, 5\) do not match token ids \(2, 4\)"):
+        token_logprobs(logits_BTV, torch.zeros(2, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"at least a token and a vocabulary axis, got \(5,\)"):
+        token_logprobs(torch.zeros(5), torch.tensor(0))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_token_logprobs_on_cuda_match_the_cpu():
+    gen = torch.Generator().manual_seed(3)
+    logits_BTV = torch.randn(3, 5, 11, generator=gen, dtype=torch.float64)
+    token_ids_BT = torch.randint(0, 11, (3, 5), generator=gen)
+    cuda_BTV = logits_BTV.cuda().requires_grad_()
+    logprobs_BT = token_logprobs(cuda_BTV, token_ids_BT.cuda(), chunk_size=4)
+    logprobs_BT.sum().backward()
+    assert logprobs_BT.device == cuda_BTV.grad.device == cuda_BTV.device
+    cpu_BTV = logits_BTV.clone().requires_grad_()
+    token_logprobs(cpu_BTV, token_ids_BT, chunk_size=4).sum().backward()
+    assert_close(logprobs_BT.cpu(), _reference_logprobs(logits_BTV, token_ids_BT))
+    assert_close(cuda_BTV.grad.cpu(), cpu_BTV.grad)

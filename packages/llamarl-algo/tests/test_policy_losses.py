@@ -354,3 +354,66 @@ def test_aipo_sequence_on_single_token_sequences_is_aipo(make_batch):
     seq, _ = aipo_sequence_loss(logprobs_BT, behavior_BT, advantages_B, mask_BT, rho=1.5, num_valid_tokens=4)
     tok, _ = aipo_loss(logprobs_BT, behavior_BT, advantages_B, mask_BT, rho=1.5, num_valid_tokens=4)
     assert_close(seq, tok)
+
+
+# ---- hyper-parameter checks, boundaries, empty sequences, saturated metrics -----------------------
+
+
+@pytest.mark.parametrize("loss_fn", [aipo_loss, aipo_sequence_loss])
+def test_rho_must_be_positive_and_one_is_allowed(loss_fn, batch):
+    logprobs_BT, behavior_BT, advantages_B, mask_BT = batch
+    n = int(mask_BT.sum())
+    for rho in (0.0, -1.0):
+        with pytest.raises(ValueError, match=f"rho must be positive, got {rho}"):
+            loss_fn(logprobs_BT, behavior_BT, advantages_B, mask_BT, rho=rho, num_valid_tokens=n)
+    # rho = 1: no token (or sequence) is ever weighted up; on-policy this is the plain policy gradient.
+    loss, metrics = loss_fn(
+        logprobs_BT, logprobs_BT.detach(), advantages_B, mask_BT, rho=1.0, num_valid_tokens=n
+    )
+    plain, _ = policy_gradient_loss(
+        logprobs_BT, logprobs_BT.detach(), advantages_B, mask_BT, num_valid_tokens=n
+    )
+    assert_close(loss, plain)
+    # A weight exactly at the cap is not truncated: truncation changed nothing.
+    assert metrics["truncated_fraction"].item() == 0.0
+
+
+def _with_an_empty_sequence():
+    # Sequence 0: ratios 2 and 0.5 (sequence ratio 1); sequence 1: all padding; sequence 2: ratio 1.5.
+    logprobs_BT = torch.tensor([[-1.0, -2.0], [-3.0, -3.0], [-0.5, -7.0]], dtype=torch.float64)
+    ratios_BT = torch.tensor([[2.0, 0.5], [1.0, 1.0], [1.5, 1.0]], dtype=torch.float64)
+    mask_BT = torch.tensor([[1, 1], [0, 0], [1, 0]])
+    return logprobs_BT.requires_grad_(), logprobs_BT - ratios_BT.log(), mask_BT
+
+
+def test_sequence_metrics_count_only_sequences_with_tokens():
+    logprobs_BT, behavior_BT, mask_BT = _with_an_empty_sequence()
+    advantages_B = torch.tensor([1.0, 5.0, -1.0], dtype=torch.float64)
+    _, metrics = aipo_sequence_loss(
+        logprobs_BT, behavior_BT, advantages_B, mask_BT, rho=1.2, num_valid_tokens=3
+    )
+    assert_close(metrics["ratio_mean"], torch.tensor(1.25, dtype=torch.float64))
+    assert_close(metrics["ratio_max"], torch.tensor(1.5, dtype=torch.float64))
+    assert_close(metrics["truncated_fraction"], torch.tensor(0.5, dtype=torch.float64))
+    # GSPO: geometric means sqrt(2 * 0.5) = 1 and 1.5.
+    _, metrics = gspo_loss(logprobs_BT, behavior_BT, advantages_B, mask_BT, num_sequences=3)
+    assert set(metrics) == {"ratio_mean", "ratio_max", "clipped_fraction", "mismatch_kl"}
+    assert_close(metrics["ratio_mean"], torch.tensor(1.25, dtype=torch.float64))
+    assert_close(metrics["ratio_max"], torch.tensor(1.5, dtype=torch.float64))
+
+
+def test_mismatch_kl_metric_saturates_at_the_log_ratio_limit():
+    # pi / mu = e^-30 on one token: its log-ratio counts as -20 (LOG_RATIO_LIMIT), as everywhere else.
+    logprobs_BT = torch.tensor([[-31.0, -1.0]], dtype=torch.float64, requires_grad=True)
+    behavior_BT = torch.tensor([[-1.0, -1.0]], dtype=torch.float64)
+    _, metrics = aipo_loss(
+        logprobs_BT, behavior_BT, torch.ones(1, dtype=torch.float64), torch.ones(1, 2), num_valid_tokens=2
+    )
+    k3 = (math.exp(-20) - 1 + 20) / 2
+    assert_close(metrics["mismatch_kl"], torch.tensor(k3, dtype=torch.float64))
+
+
+def test_dr_grpo_needs_a_length_constant():
+    logprobs_BT, behavior_BT, mask_BT = _with_an_empty_sequence()
+    with pytest.raises(ValueError, match=r"^dr_grpo needs max_response_length or num_valid_tokens$"):
+        dr_grpo_loss(logprobs_BT, behavior_BT, torch.ones(3, dtype=torch.float64), mask_BT, num_sequences=3)

@@ -35,7 +35,13 @@ def group_advantages(
         advantages_B, float32 (float64 for float64 rewards).
     """
     rewards_PG = group_view(rewards_B.to(torch.promote_types(rewards_B.dtype, torch.float32)), group_size)
-    advantages_PG = rewards_PG - rewards_PG.mean(-1, keepdim=True)
+    mean_P1 = rewards_PG.mean(-1, keepdim=True)
+    # One correction pass: the plain mean of G equal rewards can round a unit in the last place away
+    # from them (8 x 0.1 in float32), and the std normalisation below (std ~ 1 ulp, eps 1e-6) would
+    # turn that into advantages of order 1 for a group that carries no signal. The residuals r - mean
+    # of such a group are exact and equal, so mean + their mean is exactly r and the advantages are 0.
+    mean_P1 = mean_P1 + (rewards_PG - mean_P1).mean(-1, keepdim=True)
+    advantages_PG = rewards_PG - mean_P1
     if normalize_std:
         # The population std (correction=0) is defined for a group of one sample as well.
         advantages_PG = advantages_PG / (rewards_PG.std(-1, correction=0, keepdim=True) + eps)
@@ -68,4 +74,6 @@ def reinforce_pp_baseline_advantages(
     the mean and std of the whole batch (not of each group), which is more robust for small groups.
     [B] -> [B]. "The batch" is the tensor passed in: call it on the global batch's rewards."""
     centered_B = group_advantages(rewards_B, group_size)
-    return (centered_B - centered_B.mean()) / (centered_B.std(correction=0) + eps)
+    # The batch mean of group-centred advantages is 0 by construction (each group's sum is 0), so it is
+    # not subtracted: that would only add its rounding error to the groups whose advantages are exactly 0.
+    return centered_B / (centered_B.std(correction=0) + eps)
