@@ -180,18 +180,3 @@ def test_token_logprobs_errors_name_the_problem():
         token_logprobs(logits_BTV, torch.zeros(2, 4, dtype=torch.long))
     with pytest.raises(ValueError, match=r"at least a token and a vocabulary axis, got \(5,\)"):
         token_logprobs(torch.zeros(5), torch.tensor(0))
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_token_logprobs_on_cuda_match_the_cpu():
-    gen = torch.Generator().manual_seed(3)
-    logits_BTV = torch.randn(3, 5, 11, generator=gen, dtype=torch.float64)
-    token_ids_BT = torch.randint(0, 11, (3, 5), generator=gen)
-    cuda_BTV = logits_BTV.cuda().requires_grad_()
-    logprobs_BT = token_logprobs(cuda_BTV, token_ids_BT.cuda(), chunk_size=4)
-    logprobs_BT.sum().backward()
-    assert logprobs_BT.device == cuda_BTV.grad.device == cuda_BTV.device
-    cpu_BTV = logits_BTV.clone().requires_grad_()
-    token_logprobs(cpu_BTV, token_ids_BT, chunk_size=4).sum().backward()
-    assert_close(logprobs_BT.cpu(), _reference_logprobs(logits_BTV, token_ids_BT))
-    assert_close(cuda_BTV.grad.cpu(), cpu_BTV.grad)
