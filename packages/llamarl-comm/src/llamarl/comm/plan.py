@@ -48,7 +48,7 @@ Shape = tuple[int, ...]
 # Every entry starts on an 8-byte boundary, so any dtype can be viewed in place and the checksum can
 # read the bucket as int64 words.
 ALIGN_BYTES = 8
-# Message tags give a bucket's index 15 bits, and the top index is reserved (see _session).
+# Message tags give a bucket's index 15 bits, and the top index is reserved (see _transfer).
 MAX_BUCKETS_PER_STREAM = 0x7FFF
 FP8 = "float8_e4m3fn"
 BF16 = "bfloat16"
