@@ -1,13 +1,24 @@
 """One sync on one rank: ``SyncTransfer`` runs this rank's part of the plan.
 
-Destinations post every direct receive (straight into the destination tensors) and their stream's
-manifest receive up front, and packed receives as staging slots free up: gloo moves a message only
-once its receive is posted, so this lets every source stream at full speed. Sources start direct sends
-from their tensors' memory at once and compute each checksum while the bytes travel; boxes that need
-packing (packed buckets, and direct ones with ``src_copy``) cycle through ``NUM_SLOTS`` staging
-buffers, bucket k+1 packed while bucket k is on the wire. A relay forwards each bucket before unpacking
-it, and a stream's manifest after its last direct bucket; direct buckets are verified against the
-manifest once it has arrived.
+Correct under NCCL's rules, not only gloo's. ProcessGroupNCCL ignores tags: messages between two ranks
+match in the order each side posts them, and every operation between a pair (both directions) runs on
+one stream, so an operation waits for the previous one with that peer. Hence:
+
+- Both sides of a pair post its messages in one order, computed from the plan (``_Lanes``): bucket
+  index, then stream id, a stream's manifest (the trailers of its direct buckets) right after its last
+  direct bucket. A rank posts the next message with a peer only after the earlier ones: a receive
+  waits to be posted until this rank's earlier sends on that pair are, and vice versa. Tags stay
+  unique per message, so gloo (and the NCCL-rules test transport) can check the pairing.
+- The "receives posted" signal goes through the store, not through the pair, where it would queue
+  behind the receives.
+
+Speed on gloo: destinations post every receive they can before data flows (direct receives straight
+into the destination tensors, packed ones as staging slots free up), then signal the store, and each
+upstream rank waits for that signal before its first message (gloo copies a message under a lock that
+posting a receive also takes, so receives posted while data flows wait for it). Sources start the
+direct sends from their tensors' memory at once (they come first in each stream) and compute each
+checksum while the bytes travel; boxes that need packing cycle through ``NUM_SLOTS`` staging buffers,
+bucket k+1 packed while bucket k is on the wire. A relay forwards each bucket before unpacking it.
 """
 
 from __future__ import annotations
@@ -32,39 +43,64 @@ from llamarl.comm.buckets import (
 from llamarl.comm.plan import Bucket, Stream, TransferPlan
 from llamarl.comm.transport import WeightSyncError, WeightSyncGroup
 
-MANIFEST_TAG = 0x8000  # tag bit of a stream's manifest: the trailers of its direct buckets
-READY_INDEX = 0x7FFF  # tag of a stream's "receives posted" message (no bucket has this index)
+MANIFEST_TAG = 0x8000  # tag bit of a stream's manifest (bucket indices stay below it)
 
 
-def _tag(stream: Stream, bucket: Bucket) -> int:
-    # Unique per (stream, bucket) so a message can only ever match its own receive.
-    return (stream.stream_id << 16) | bucket.index  # plan.MAX_BUCKETS_PER_STREAM keeps it below 0x7FFF
+@dataclass(frozen=True, eq=False)
+class _Message:
+    """One message this rank exchanges with a peer: a bucket of a stream, or the stream's manifest."""
+
+    stream: Stream
+    bucket: Bucket  # for a manifest: the stream's last direct bucket
+    manifest: bool
+    outgoing: bool  # this rank sends it (else receives it)
+
+    @property
+    def order(self) -> tuple[int, int, int]:
+        """Position on its pair, the same on both sides."""
+        return (self.bucket.index, self.stream.stream_id, int(self.manifest))
+
+    def __str__(self) -> str:
+        what = "manifest" if self.manifest else f"bucket {self.bucket.index}"
+        return f"{'send' if self.outgoing else 'receive'} of {what} of stream {self.stream.stream_id}"
+
+    @property
+    def tag(self) -> int:
+        # Unique per message of a pair: plan.MAX_BUCKETS_PER_STREAM keeps the index below MANIFEST_TAG.
+        return (self.stream.stream_id << 16) | (MANIFEST_TAG if self.manifest else self.bucket.index)
 
 
-def _manifest_tag(stream: Stream) -> int:
-    return (stream.stream_id << 16) | MANIFEST_TAG
-
-
-def _ready_tag(stream: Stream) -> int:
-    return (stream.stream_id << 16) | READY_INDEX
+def plan_lanes(plan: TransferPlan, rank: int) -> dict[int, tuple[_Message, ...]]:
+    """For each peer of ``rank``: the messages between them, in the order both post them."""
+    lanes: dict[int, list[_Message]] = {}
+    for stream in plan.streams:
+        hops = [(stream.src, stream.chain[0]), *zip(stream.chain, stream.chain[1:], strict=False)]
+        for sender, receiver in hops:
+            if rank not in (sender, receiver):
+                continue
+            peer, outgoing = (receiver, True) if rank == sender else (sender, False)
+            for bucket in stream.buckets:
+                lanes.setdefault(peer, []).append(_Message(stream, bucket, False, outgoing))
+                if bucket.direct and bucket.index == stream.num_direct - 1:
+                    lanes[peer].append(_Message(stream, bucket, True, outgoing))
+    return {peer: tuple(sorted(msgs, key=lambda m: m.order)) for peer, msgs in lanes.items()}
 
 
 @dataclass
 class _Pending:
-    """Started sends or receives with one peer, waited together."""
+    """A started send or receive, waited with its peer and bucket named on failure."""
 
-    works: list[Any]
+    work: Any
     peer: int
     bucket_index: int
 
     def wait(self, group: WeightSyncGroup, what: str) -> None:
-        for work in self.works:
-            group.wait(work, peer=self.peer, what=what, bucket=self.bucket_index)
+        group.wait(self.work, peer=self.peer, what=what, bucket=self.bucket_index)
 
 
 @dataclass
 class _PostedRecv:
-    """A receive posted ahead: where the bucket lands and the copies that unpack it, if any."""
+    """A receive posted ahead: where the message lands and the copies that unpack it, if any."""
 
     pending: _Pending
     payload: torch.Tensor  # uint8 [bytes], trailer included for a packed bucket
@@ -98,14 +134,18 @@ class SyncTransfer:
         self.locals_ = locals_
         self.dst_tensors = dst_tensors
         self.src_views = staging.source_views(locals_) if locals_ is not None else {}
+        lanes = staging.views.get(("lanes",))
+        if lanes is None:
+            lanes = staging.views[("lanes",)] = plan_lanes(plan, self.rank)
+        self.lanes: dict[int, tuple[_Message, ...]] = lanes
+        self.posted: dict[int, int] = dict.fromkeys(lanes, 0)  # peer -> messages posted so far
+        self.peers_ready: set[int] = set()  # downstream peers known to have posted their receives
         # (stream, slot) -> a slot's send, waited before the slot is reused
         self.slot_sends: dict[tuple[int, int], _Pending] = {}
         self.loose_sends: list[_Pending] = []  # sends from tensors' memory: waited at the end
         self.slot_uses: dict[int, int] = {}  # stream -> staging buffers used so far on this (source) rank
-        self.recvs: dict[tuple[int, int], _PostedRecv] = {}  # (stream, bucket) -> its posted receive
-        self.manifests: dict[int, tuple[_Pending, torch.Tensor]] = {}  # stream -> (receive, manifest)
-        self.next_post: dict[int, int] = {}  # stream -> next bucket index to post a receive for
-        self.ready_from: dict[int, _Pending] = {}  # stream -> the next hop's "receives posted" message
+        self.packed_done: dict[int, int] = {}  # stream -> packed buckets unpacked and forwarded here
+        self.recvs: dict[tuple[int, int, bool], _PostedRecv] = {}  # (stream, bucket, manifest) -> receive
         # Checksums (0-d tensors; None with checksums off), gathered for a stream's manifest:
         self.in_flight: dict[tuple[int, int], torch.Tensor | None] = {}  # started direct sends
         self.manifest_sums: dict[int, list[torch.Tensor]] = {}  # source: direct buckets sent
@@ -130,55 +170,28 @@ class SyncTransfer:
     # Steps
 
     def post_receives(self) -> None:
-        """Post every receive this rank can before data flows, then tell each upstream peer to start.
-
-        Gloo copies a message under a lock that posting a receive also takes, so receives posted while
-        data flows wait for it: post them all first."""
-        group = self.group
-        for stream in self.plan.streams:
-            if self.rank in (stream.src, *stream.chain):
-                downstream = stream.downstream(self.rank)
-                if downstream is not None:
-                    flag = torch.zeros(1, dtype=torch.int64, device=group.device)
-                    works = [group.recv(flag, downstream, _ready_tag(stream), bucket=0)]
-                    self.ready_from[stream.stream_id] = _Pending(works, downstream, 0)
-        for stream in self.plan.streams:
-            if self.rank in stream.chain:
-                self._post_receives_ahead(stream, 0)
-        for stream in self.plan.streams:
-            if self.rank in stream.chain:
-                peer = stream.upstream(self.rank)
-                flag = torch.ones(1, dtype=torch.int64, device=group.device)
-                self.loose_sends.append(
-                    _Pending([group.send(flag, peer, _ready_tag(stream), bucket=0)], peer, 0)
-                )
+        """Post every receive this rank can before data flows, then tell the upstream peers (store)."""
+        for peer in self.lanes:
+            self._post_receives_ahead(peer)
+        if self.rank in self.plan.dest_ranks:
+            self.group.put(self._ready_key(self.rank), True)
 
     def start_direct_sends(self) -> None:
-        """(Source) start every send straight from the tensors' memory at once, so those bytes flow
-        while the rest is packed; each checksum is computed while its bytes travel."""
+        """(Source) start the sends straight from the tensors' memory (the first buckets of each
+        stream) at once, so those bytes flow while the rest is packed; each checksum is computed while
+        its bytes travel."""
         for stream in self.plan.streams:
             if stream.src != self.rank:
                 continue
-            assert self.locals_ is not None
-            self._await_ready(stream)
-            dst = stream.chain[0]
             for bucket in stream.buckets:
                 if not bucket.direct or bucket.src_copy:
-                    continue
-                key = ("send", stream.stream_id, bucket.index)
-                payload = self.src_views.get(key)
-                if payload is None:
-                    payload = self.src_views[key] = self.staging.direct_source(bucket, self.locals_)
-                works = [self.group.send(payload, dst, _tag(stream, bucket), bucket=bucket.index)]
-                self.loose_sends.append(_Pending(works, dst, bucket.index))
-                self.in_flight[(stream.stream_id, bucket.index)] = self._checksum(
-                    self.src_views, ("sum", stream.stream_id, bucket.index), payload
-                )
+                    break  # packed at the source: sent in schedule order, after these
+                self._send_from_memory(stream, bucket)
 
     def send_bucket(self, stream: Stream, bucket: Bucket) -> None:
         """(Source) one bucket of the schedule: a direct one (already on the wire, or packed and sent
         now; the manifest follows the last), or a packed one with its trailer."""
-        sid, dst = stream.stream_id, stream.chain[0]
+        sid = stream.stream_id
         if not bucket.direct:
             key, buf = self._source_slot(stream)
             n = bucket.payload_bytes
@@ -189,51 +202,127 @@ class SyncTransfer:
             write_trailer(
                 buf[n:], buf[:n], **ids, **stamp, checksum=self.checksum_stride, bucket_sum=bucket_sum
             )
-            works = [
-                self.group.send(buf[: n + TRAILER_BYTES], dst, _tag(stream, bucket), bucket=bucket.index)
-            ]
-            self.slot_sends[key] = _Pending(works, dst, bucket.index)
+            self.slot_sends[key] = self._send(stream, bucket, buf[: n + TRAILER_BYTES])
             return
-        if bucket.index == 0:
-            self.manifest_sums[sid] = []
-        if (sid, bucket.index) in self.in_flight:
-            bucket_sum = self.in_flight.pop((sid, bucket.index))
-        else:  # a column slice, or a box of a strided tensor: pack it first
-            key, buf = self._source_slot(stream)
-            payload = buf[: direct_len(bucket)]
-            self._pack(stream, bucket, key[1], buf)
-            works = [self.group.send(payload, dst, _tag(stream, bucket), bucket=bucket.index)]
-            self.slot_sends[key] = _Pending(works, dst, bucket.index)
-            # before the staging slot is reused
-            bucket_sum = self._checksum(self.staging.views, ("sum", sid, bucket.index, key[1]), payload)
+        if (sid, bucket.index) not in self.in_flight:
+            if bucket.src_copy:  # a column slice, or a box of a strided tensor: pack it first
+                key, buf = self._source_slot(stream)
+                payload = buf[: direct_len(bucket)]
+                self._pack(stream, bucket, key[1], buf)
+                self.slot_sends[key] = self._send(stream, bucket, payload)
+                # before the staging slot is reused
+                bucket_sum = self._checksum(self.staging.views, ("sum", sid, bucket.index, key[1]), payload)
+                self.in_flight[(sid, bucket.index)] = bucket_sum
+            else:
+                self._send_from_memory(stream, bucket)
+        bucket_sum = self.in_flight.pop((sid, bucket.index))
         if bucket_sum is not None:  # a 0-d tensor: on a GPU, no host sync per bucket
-            self.manifest_sums[sid].append(bucket_sum)
+            self.manifest_sums.setdefault(sid, []).append(bucket_sum)
         if bucket.index == stream.num_direct - 1:
             self._send_manifest(stream, bucket)
 
     def receive_bucket(self, stream: Stream, bucket: Bucket) -> None:
         """(Destination) one bucket of the schedule: wait for it, forward it down the chain, verify it,
-        unpack it, then post the receives its staging slot frees."""
+        unpack it, then post the receives that freed."""
         upstream = stream.upstream(self.rank)
-        posted = self.recvs.pop((stream.stream_id, bucket.index))
+        posted = self.recvs.pop((stream.stream_id, bucket.index, False))
         posted.pending.wait(self.group, "receiving weights")
-        if stream.downstream(self.rank) is not None:
-            self._await_ready(stream)
         if bucket.direct:
             self._receive_direct(stream, bucket, posted, upstream)
         else:
             self._receive_packed(stream, bucket, posted, upstream)
-        self._post_receives_ahead(stream, bucket.index + 1)
+        self._post_receives_ahead(upstream)
 
     def finish(self) -> None:
-        """Wait for every send still in flight."""
+        """Wait for every send still in flight; check that every message of every pair was posted."""
         for key in list(self.slot_sends):
             self._wait_slot_send(key)
         for pending in self.loose_sends:
             pending.wait(self.group, "sending weights")
+        unposted = {peer: len(msgs) - self.posted[peer] for peer, msgs in self.lanes.items()}
+        if any(unposted.values()):
+            raise WeightSyncError(f"rank {self.rank}: sync ended with messages never posted: {unposted}")
+        if self.rank in self.plan.dest_ranks:
+            self.group.delete(self._ready_key(self.rank))  # every upstream peer has read it by now
+
+    # ----------------------------------------------------------------------------------------------
+    # Posting messages in each pair's order
+
+    def _ready_key(self, rank: int) -> str:
+        return f"ready/{self.sync_index}/{rank}"
+
+    def _next(self, peer: int) -> _Message | None:
+        i = self.posted[peer]
+        msgs = self.lanes[peer]
+        return msgs[i] if i < len(msgs) else None
+
+    def _send(
+        self, stream: Stream, bucket: Bucket, payload: torch.Tensor, *, manifest: bool = False
+    ) -> _Pending:
+        """Post a send down ``stream``: it must be the next message with that peer (receives before it
+        are posted first); the first one waits until the peer has posted its receives."""
+        peer = stream.downstream(self.rank)
+        assert peer is not None
+        self._post_receives_ahead(peer)
+        msg = self._next(peer)
+        want = _Message(stream, bucket, manifest, outgoing=True)
+        if msg is None or (msg.stream.stream_id, msg.bucket.index, msg.manifest, msg.outgoing) != (
+            stream.stream_id,
+            bucket.index,
+            manifest,
+            True,
+        ):
+            raise WeightSyncError(
+                f"rank {self.rank}: protocol error: the {want} to peer rank {peer} is not next on that "
+                f"pair ({msg or 'nothing'} is)",
+                peer=peer,
+                bucket=bucket.index,
+            )
+        if peer not in self.peers_ready:
+            self.group.get(self._ready_key(peer), peer=peer)
+            self.peers_ready.add(peer)
+        pending = _Pending(self.group.send(payload, peer, msg.tag, bucket=bucket.index), peer, bucket.index)
+        self.posted[peer] += 1
+        self._post_receives_ahead(peer)  # receives that come after this send on the pair
+        return pending
+
+    def _post_receives_ahead(self, peer: int) -> None:
+        """Post the receives from ``peer`` that are next on the pair: direct ones (straight into the
+        destination tensors) and manifests at once, packed ones once their staging slot is free."""
+        while (msg := self._next(peer)) is not None and not msg.outgoing:
+            stream, bucket = msg.stream, msg.bucket
+            assert self.dst_tensors is not None
+            unpack: BucketCopies | None = None
+            if msg.manifest:
+                payload = self.staging.manifest(stream)
+            elif bucket.direct:
+                payload, unpack = self.staging.direct_target(stream, bucket, self.dst_tensors)
+            elif bucket.index - stream.num_direct >= self.packed_done.get(stream.stream_id, 0) + NUM_SLOTS:
+                return  # its staging slot still holds an earlier bucket
+            else:
+                payload, unpack = self.staging.packed_target(stream, bucket, self.dst_tensors)
+            work = self.group.recv(payload, peer, msg.tag, bucket=bucket.index)
+            self.recvs[(stream.stream_id, bucket.index, msg.manifest)] = _PostedRecv(
+                _Pending(work, peer, bucket.index), payload, unpack
+            )
+            self.posted[peer] += 1
 
     # ----------------------------------------------------------------------------------------------
     # Source side
+
+    def _send_from_memory(self, stream: Stream, bucket: Bucket) -> None:
+        """Start a direct bucket's send straight from the source tensor's memory."""
+        assert self.locals_ is not None
+        sid = stream.stream_id
+        payload = self.src_views.get(("send", sid, bucket.index))
+        if payload is None:
+            payload = self.src_views[("send", sid, bucket.index)] = self.staging.direct_source(
+                bucket, self.locals_
+            )
+        self.loose_sends.append(self._send(stream, bucket, payload))
+        self.in_flight[(sid, bucket.index)] = self._checksum(
+            self.src_views, ("sum", sid, bucket.index), payload
+        )
 
     def _source_slot(self, stream: Stream) -> tuple[tuple[int, int], torch.Tensor]:
         """The next staging buffer of ``stream``, once its previous bucket is on the wire."""
@@ -254,51 +343,26 @@ class SyncTransfer:
 
     def _send_manifest(self, stream: Stream, last_direct: Bucket) -> None:
         """The trailers of every direct bucket of ``stream``, in one message after the last of them."""
-        sid, dst = stream.stream_id, stream.chain[0]
+        sid = stream.stream_id
         manifest = trailers_bytes(
-            self.manifest_sums.pop(sid),
+            self.manifest_sums.pop(sid, None),
             [(sid, i) for i in range(stream.num_direct)],
             policy_version=self.policy_version,
             sync_index=self.sync_index,
             device=self.group.device,
         )
-        works = [self.group.send(manifest, dst, _manifest_tag(stream), bucket=last_direct.index)]
-        self.loose_sends.append(_Pending(works, dst, last_direct.index))
+        self.loose_sends.append(self._send(stream, last_direct, manifest, manifest=True))
 
     # ----------------------------------------------------------------------------------------------
     # Destination side
-
-    def _post_receives_ahead(self, stream: Stream, processed: int) -> None:
-        """Post receives ahead: the manifest and every direct one, packed ones as their slots free up."""
-        assert self.dst_tensors is not None
-        nd = stream.num_direct
-        i = self.next_post.get(stream.stream_id, 0)
-        peer = stream.upstream(self.rank)
-        if i == 0 and nd:
-            manifest = self.staging.manifest(stream)
-            works = [self.group.recv(manifest, peer, _manifest_tag(stream), bucket=nd - 1)]
-            self.manifests[stream.stream_id] = (_Pending(works, peer, nd - 1), manifest)
-        while i < len(stream.buckets):
-            bucket = stream.buckets[i]
-            if bucket.direct:
-                payload, unpack = self.staging.direct_target(stream, bucket, self.dst_tensors)
-            else:
-                if i - nd >= max(0, processed - nd) + NUM_SLOTS:
-                    break  # its staging slot still holds an earlier bucket
-                payload, unpack = self.staging.packed_target(stream, bucket, self.dst_tensors)
-            works = [self.group.recv(payload, peer, _tag(stream, bucket), bucket=bucket.index)]
-            self.recvs[(stream.stream_id, i)] = _PostedRecv(
-                _Pending(works, peer, bucket.index), payload, unpack
-            )
-            i += 1
-        self.next_post[stream.stream_id] = i
 
     def _receive_direct(self, stream: Stream, bucket: Bucket, posted: _PostedRecv, upstream: int) -> None:
         """A direct bucket arrived: forward it first (the next replica receives while we go on), move it
         into place if it landed in a buffer of its own, and verify the stream's direct buckets against
         the manifest after the last of them."""
         sid = stream.stream_id
-        self._forward(stream, bucket, posted.payload, _tag(stream, bucket), loose=True)
+        if stream.downstream(self.rank) is not None:
+            self.loose_sends.append(self._send(stream, bucket, posted.payload))
         if posted.unpack is not None:
             posted.unpack.run()
         self.received_direct.setdefault(sid, []).append(
@@ -306,11 +370,12 @@ class SyncTransfer:
         )
         if bucket.index != stream.num_direct - 1:
             return
-        pending, manifest = self.manifests.pop(sid)
-        pending.wait(self.group, "receiving the manifest")
-        self._forward(stream, bucket, manifest, _manifest_tag(stream), loose=True)
+        manifest = self.recvs.pop((sid, bucket.index, True))
+        manifest.pending.wait(self.group, "receiving the manifest")
+        if stream.downstream(self.rank) is not None:
+            self.loose_sends.append(self._send(stream, bucket, manifest.payload, manifest=True))
         direct = stream.buckets[: stream.num_direct]
-        self._verify(self.received_direct.pop(sid), read_trailers(manifest), direct, stream, upstream)
+        self._verify(self.received_direct.pop(sid), read_trailers(manifest.payload), direct, stream, upstream)
 
     def _receive_packed(self, stream: Stream, bucket: Bucket, posted: _PostedRecv, upstream: int) -> None:
         """A packed bucket arrived: verify it against its trailer, forward it, unpack it; its slot is
@@ -325,24 +390,11 @@ class SyncTransfer:
             stream,
             upstream,
         )
-        self._forward(stream, bucket, payload, _tag(stream, bucket), loose=False)
+        forward = self._send(stream, bucket, payload) if stream.downstream(self.rank) is not None else None
         posted.unpack.run()
-        self._wait_slot_send((sid, -1))  # a packed forward must finish before its slot is reused
-
-    def _forward(
-        self, stream: Stream, bucket: Bucket, payload: torch.Tensor, tag: int, *, loose: bool
-    ) -> None:
-        """Send a received message on to the next member of the chain, if any."""
-        downstream = stream.downstream(self.rank)
-        if downstream is None:
-            return
-        pending = _Pending(
-            [self.group.send(payload, downstream, tag, bucket=bucket.index)], downstream, bucket.index
-        )
-        if loose:
-            self.loose_sends.append(pending)
-        else:
-            self.slot_sends[(stream.stream_id, -1)] = pending
+        if forward is not None:  # a packed forward must finish before its slot is reused
+            forward.wait(self.group, "sending weights")
+        self.packed_done[sid] = self.packed_done.get(sid, 0) + 1
 
     def _verify(
         self,
@@ -378,12 +430,6 @@ class SyncTransfer:
 
     # ----------------------------------------------------------------------------------------------
     # Shared
-
-    def _await_ready(self, stream: Stream) -> None:
-        """Before the first message down ``stream``: the next hop has posted its receives."""
-        pending = self.ready_from.pop(stream.stream_id, None)
-        if pending is not None:
-            pending.wait(self.group, "waiting for the receiver to post its receives")
 
     def _wait_slot_send(self, key: tuple[int, int]) -> None:
         pending = self.slot_sends.pop(key, None)

@@ -50,7 +50,11 @@ class WeightSyncGroup:
 
     Rank 0 hosts the ``TCPStore`` (it must outlive the others: put it on the trainer). ``timeout_s`` is
     the deadline of every single wait: connecting, forming the group, each bucket. ``backend`` is
-    ``"gloo"`` (CPU tensors) or ``"nccl"`` (CUDA tensors on ``device``).
+    ``"gloo"`` (CPU tensors) or ``"nccl"`` (CUDA tensors on ``device``). The sync protocol never relies
+    on message tags and posts the messages of each pair of ranks in the same order on both sides (what
+    NCCL needs); its small control messages go through the store. On NCCL a work's deadline counts from
+    when it was posted, not from the wait (torch's ``WorkNCCL.wait(timeout)``): keep ``timeout_s`` above
+    the length of a whole sync.
 
     ``process_group_factory`` replaces the backend's process group (tests run the protocol over
     ``llamarl.comm.testing.nccl_rules_process_group``: gloo under NCCL's ordering rules).
