@@ -23,6 +23,7 @@ bucket k+1 packed while bucket k is on the wire. A relay forwards each bucket be
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -243,7 +244,10 @@ class SyncTransfer:
         if any(unposted.values()):
             raise WeightSyncError(f"rank {self.rank}: sync ended with messages never posted: {unposted}")
         if self.rank in self.plan.dest_ranks:
-            self.group.delete(self._ready_key(self.rank))  # every upstream peer has read it by now
+            # Every upstream peer has read it by now. Best effort: the weights are all here, and a
+            # trainer whose sends completed may already have left, taking the store with it.
+            with contextlib.suppress(Exception):
+                self.group.delete(self._ready_key(self.rank))
 
     # ----------------------------------------------------------------------------------------------
     # Posting messages in each pair's order

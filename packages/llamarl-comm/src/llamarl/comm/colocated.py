@@ -23,6 +23,7 @@ the protocol is tested across processes on the CPU with shared-memory files stan
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -183,7 +184,9 @@ class ColocatedReceiver:
             raise
         self.group.put(done_key, {"ok": True})
         self.policy_version = int(announced["policy_version"])
-        self.group.put(f"held/{self.group.rank}", self.policy_version)
+        # Best effort: the weights are loaded, and a trainer that had every acknowledgement may be gone.
+        with contextlib.suppress(Exception):
+            self.group.put(f"held/{self.group.rank}", self.policy_version)
         return self.policy_version
 
     def close(self) -> None:
