@@ -268,6 +268,51 @@ def test_worker_extension_receives_and_reports_versions(tmp_path: Path) -> None:
     assert engine["mismatches"] == []
 
 
+def _colocated_with_stand_in(rank: int, world_size: int, rdv, model_dir: str) -> dict | None:
+    """A trainer on the engine's device shares its tensors (shared-memory files standing in for CUDA
+    IPC); the worker maps them and vLLM's loader reads them there, with nothing staged."""
+    from llamarl.comm import WeightSyncGroup
+    from llamarl.comm.colocated import ColocatedSender
+
+    group = WeightSyncGroup(host=rdv.host, port=rdv.port, rank=rank, world_size=2, timeout_s=30)
+    if rank == 0:
+        tensors = checkpoint(1)
+        sender = ColocatedSender(group, tensors)  # waits until the worker has mapped them
+        sender.send(3)
+        for t in tensors.values():
+            t.mul_(2)  # in place: the optimizer's step
+        sender.send(5)
+        group.get("test/engine_done", peer=1)
+        return None
+    worker = StandInWorker(model_dir)
+    out: dict = {
+        "num_tensors": worker.init_weight_sync(rdv.host, rdv.port, rank=1, world_size=2, colocated=True)
+    }
+    out["received"] = [worker.receive_weights(), worker.receive_weights()]
+    out["after"] = worker.weight_version()
+    group.put("test/engine_done", True)
+    worker.close_weight_sync()
+    sent = checkpoint(1)
+    first, second = worker.loads
+    out["mismatches"] = [
+        name
+        for name, t in sent.items()
+        if not (first[name].dtype == second[name].dtype == t.dtype)
+        or not torch.equal(first[name], t)
+        or not torch.equal(second[name], t * 2)
+    ]
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_worker_extension_colocated_reads_the_trainers_memory(tmp_path: Path) -> None:
+    save_file(checkpoint(0), str(tmp_path / "model.safetensors"))
+    _, engine = run_distributed(_colocated_with_stand_in, 2, str(tmp_path), timeout_s=90)
+    assert engine["num_tensors"] == 4
+    assert engine["received"] == [3, 5] and engine["after"] == 5
+    assert engine["mismatches"] == []
+
+
 class StandInLLM:
     """What `sync_weights` uses of a `vllm.LLM`: collective_rpc and reset_prefix_cache. vLLM refuses a
     reset while requests run; that state cannot be produced on demand in a real engine, hence this."""

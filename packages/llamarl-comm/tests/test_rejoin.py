@@ -11,16 +11,18 @@ import pytest
 import torch
 
 from llamarl.comm import WeightReceiver, WeightSender, WeightSyncError, WeightSyncGroup
-from llamarl.comm.testing import run_distributed
+from llamarl.comm.testing import TRANSPORTS, run_distributed, transport_kwargs
 
 pytestmark = pytest.mark.timeout(120)
 
 TIMEOUT_S = 10.0
 
 
-def _engine_process(host: str, port: int, out_path: str, die_after: bool) -> None:
+def _engine_process(host: str, port: int, out_path: str, die_after: bool, transport: str) -> None:
     """One life of the engine at rank 1: join (or rejoin), receive once, save what it got."""
-    group = WeightSyncGroup(host=host, port=port, rank=1, world_size=2, timeout_s=TIMEOUT_S)
+    group = WeightSyncGroup(
+        host=host, port=port, rank=1, world_size=2, timeout_s=TIMEOUT_S, **transport_kwargs(transport)
+    )
     weights = {"w": torch.zeros(64, 32), "b": torch.zeros(7), "emb": torch.zeros(300, 256)}
     receiver = WeightReceiver(group, weights)
     version = receiver.receive(timeout_s=60)
@@ -31,9 +33,16 @@ def _engine_process(host: str, port: int, out_path: str, die_after: bool) -> Non
     os._exit(0)
 
 
-def _worker(rank: int, world_size: int, rdv):
+def _worker(rank: int, world_size: int, rdv, transport: str):
     if rank == 0:
-        group = WeightSyncGroup(host=rdv.host, port=rdv.port, rank=0, world_size=2, timeout_s=TIMEOUT_S)
+        group = WeightSyncGroup(
+            host=rdv.host,
+            port=rdv.port,
+            rank=0,
+            world_size=2,
+            timeout_s=TIMEOUT_S,
+            **transport_kwargs(transport),
+        )
         weights = {"w": torch.randn(64, 32), "b": torch.randn(7), "emb": torch.randn(300, 256)}
         sender = WeightSender(group, weights, bucket_bytes=64 << 10)
         out = {"sent": []}
@@ -63,7 +72,7 @@ def _worker(rank: int, world_size: int, rdv):
     lives = []
     for life, die_after in enumerate((True, False)):
         path = os.path.join(rdv.tmpdir, f"life{life}.pt")
-        proc = fork.Process(target=_engine_process, args=(rdv.host, rdv.port, path, die_after))
+        proc = fork.Process(target=_engine_process, args=(rdv.host, rdv.port, path, die_after, transport))
         proc.start()
         proc.join(timeout=90)
         assert proc.exitcode == 0, proc.exitcode
@@ -75,8 +84,9 @@ def _worker(rank: int, world_size: int, rdv):
     return lives
 
 
-def test_restarted_receiver_catches_up() -> None:
-    trainer, lives = run_distributed(_worker, 2, timeout_s=110)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_restarted_receiver_catches_up(transport: str) -> None:
+    trainer, lives = run_distributed(_worker, 2, transport, timeout_s=110)
     assert trainer["error"] is not None and trainer["error"]["peer"] == 1, trainer["error"]
     assert "peer rank 1" in trainer["error"]["message"]
     assert trainer["error"]["seconds"] < TIMEOUT_S + 2

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from llamarl.comm import DestLayout, WeightReceiver, WeightSender, WeightSyncGroup, fused, tp_shard
-from llamarl.comm.testing import run_distributed
+from llamarl.comm.testing import TRANSPORTS, run_distributed, transport_kwargs
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -83,24 +83,51 @@ def expected_shards(full: dict[str, torch.Tensor], tp_rank: int) -> dict[str, to
     }
 
 
-def _worker(rank: int, world_size: int, rdv, source_kind: str, direct_min_bytes: int):
+def _sync_group(rank: int, world_size: int, rdv, transport: str) -> WeightSyncGroup:
+    return WeightSyncGroup(
+        host=rdv.host,
+        port=rdv.port,
+        rank=rank,
+        world_size=world_size,
+        timeout_s=60,
+        **transport_kwargs(transport),
+    )
+
+
+def _fsdp2(model: torch.nn.Module, rank: int, num_src: int, rdv) -> None:
+    """Shard ``model`` with FSDP2 over the trainer ranks' own default group (never the sync group)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    dist.init_process_group("gloo", init_method=f"file://{rdv.tmpdir}/fsdp", rank=rank, world_size=num_src)
+    fully_shard(model, mesh=init_device_mesh("cpu", (num_src,)))
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+
+
+def _optimizer_step(model: torch.nn.Module) -> None:
+    """Stands in for an optimizer step: in place on the local shards."""
+    with torch.no_grad():
+        for p in model.parameters():
+            (p.to_local() if hasattr(p, "to_local") else p).mul_(-0.5).add_(0.25)
+
+
+def _full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        name: p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
+        for name, p in model.named_parameters()
+    }
+
+
+def _worker(rank: int, world_size: int, rdv, transport: str, source_kind: str, direct_min_bytes: int):
     num_src = 2
-    group = WeightSyncGroup(host=rdv.host, port=rdv.port, rank=rank, world_size=world_size, timeout_s=60)
+    group = _sync_group(rank, world_size, rdv, transport)
     if rank < num_src:
         torch.manual_seed(0)  # same initial weights on both trainer ranks
         model = Block()
         if source_kind == "fsdp2":
-            import torch.distributed as dist
-            from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.fsdp import fully_shard
-            from torch.distributed.tensor import DTensor
-
-            # The trainer's own default group (the sync group never uses it).
-            dist.init_process_group(
-                "gloo", init_method=f"file://{rdv.tmpdir}/fsdp", rank=rank, world_size=num_src
-            )
-            fully_shard(model, mesh=init_device_mesh("cpu", (num_src,)))
-            assert all(isinstance(p, DTensor) for p in model.parameters())
+            _fsdp2(model, rank, num_src, rdv)
         # Several buckets per stream; with direct_min_bytes=0 every slice lands in place (row slices sent
         # from the shard's memory, column slices packed first), with >=2 buckets to a staging slot.
         sender = WeightSender(group, model, bucket_bytes=160, direct_min_bytes=direct_min_bytes)
@@ -112,13 +139,8 @@ def _worker(rank: int, world_size: int, rdv, source_kind: str, direct_min_bytes:
         fulls = []
         for version in (1, 2):
             sender.send(version)
-            state = {}
-            for name, p in model.named_parameters():
-                state[name] = p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
-            fulls.append(state)
-            with torch.no_grad():  # an optimizer step, in place on the local shards
-                for p in model.parameters():
-                    (p.to_local() if hasattr(p, "to_local") else p).mul_(-0.5).add_(0.25)
+            fulls.append(_full_state(model))
+            _optimizer_step(model)
         group.get("test/done/2", timeout_s=60)
         group.get("test/done/3", timeout_s=60)
         kinds = {(b.direct, b.src_copy) for st in sender.plan.streams for b in st.buckets}
@@ -137,8 +159,11 @@ def _worker(rank: int, world_size: int, rdv, source_kind: str, direct_min_bytes:
 
 @pytest.mark.parametrize("direct_min_bytes", [0, 256 << 10])
 @pytest.mark.parametrize("source_kind", ["fsdp2", "replicated"])
-def test_trainer_to_tp_engine_with_fused_qkv_bitwise(source_kind: str, direct_min_bytes: int) -> None:
-    results = run_distributed(_worker, 4, source_kind, direct_min_bytes, timeout_s=150)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_trainer_to_tp_engine_with_fused_qkv_bitwise(
+    transport: str, source_kind: str, direct_min_bytes: int
+) -> None:
+    results = run_distributed(_worker, 4, transport, source_kind, direct_min_bytes, timeout_s=150)
     kinds = results[0]["kinds"]
     assert kinds == ({(True, False), (True, True)} if direct_min_bytes == 0 else {(False, False)}), kinds
     fulls = results[0]["fulls"]
@@ -150,3 +175,57 @@ def test_trainer_to_tp_engine_with_fused_qkv_bitwise(source_kind: str, direct_mi
     # Both trainer ranks sent (no gather on one rank), roughly half each.
     sent = [results[0]["sent"], results[1]["sent"]]
     assert min(sent) > 0.3 * sum(sent), sent
+
+
+def _replicas_worker(rank: int, world_size: int, rdv, transport: str, num_src: int, direct_min_bytes: int):
+    """``num_src`` FSDP2 trainer ranks send to replicated generators, each stream relayed along a chain
+    that starts at a different generator: pairs of generators carry several streams, in both
+    directions when there are two of them."""
+    group = _sync_group(rank, world_size, rdv, transport)
+    if rank < num_src:
+        torch.manual_seed(0)
+        model = Block()
+        _fsdp2(model, rank, num_src, rdv)
+        sender = WeightSender(group, model, bucket_bytes=160, direct_min_bytes=direct_min_bytes)
+        model(torch.randn(2, H))  # FSDP2's lazy init, as a trainer's first step does
+        model.reshard()
+        fulls = []
+        for version in (1, 2):
+            sender.send(version)
+            fulls.append(_full_state(model))
+            _optimizer_step(model)
+        for r in range(num_src, world_size):
+            group.get(f"test/done/{r}", timeout_s=60)
+        chains = [s.chain for s in sender.plan.streams]
+        kinds = {b.direct for s in sender.plan.streams for b in s.buckets}
+        return {"fulls": fulls, "chains": chains, "kinds": kinds}
+    torch.manual_seed(100 + rank)
+    model = Block()  # other weights: all must be overwritten
+    receiver = WeightReceiver(group, model)
+    got = []
+    for version in (1, 2):
+        assert receiver.receive() == version
+        got.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    group.put(f"test/done/{rank}", True)
+    return got
+
+
+@pytest.mark.parametrize(
+    ("num_src", "num_dst", "direct_min_bytes"),
+    [(2, 2, 0), (3, 2, 100), (2, 3, 100)],
+    ids=["2-to-2-in-place", "3-to-2-mixed", "2-to-3-mixed"],
+)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_fsdp2_trainer_to_replicated_generators_through_relays_bitwise(
+    transport: str, num_src: int, num_dst: int, direct_min_bytes: int
+) -> None:
+    results = run_distributed(
+        _replicas_worker, num_src + num_dst, transport, num_src, direct_min_bytes, timeout_s=150
+    )
+    trainer = results[0]
+    assert len({chain[0] for chain in trainer["chains"]}) > 1, trainer["chains"]  # relays rotate
+    assert trainer["kinds"] == ({True} if direct_min_bytes == 0 else {True, False}), trainer["kinds"]
+    for version_i in range(2):
+        for got in results[num_src:]:
+            for name, want in trainer["fulls"][version_i].items():
+                assert torch.equal(got[version_i][name], want), (version_i, name)

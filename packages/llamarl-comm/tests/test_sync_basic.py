@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from llamarl.comm import WeightReceiver, WeightSender, WeightSyncError, WeightSyncGroup
-from llamarl.comm.testing import run_distributed
+from llamarl.comm.testing import TRANSPORTS, run_distributed, transport_kwargs
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -39,14 +39,19 @@ def _model(seed: int) -> TinyLM:
     return model
 
 
-def _group(rank: int, world_size: int, rdv, timeout_s: float = 30.0) -> WeightSyncGroup:
+def _group(rank: int, world_size: int, rdv, transport: str, timeout_s: float = 30.0) -> WeightSyncGroup:
     return WeightSyncGroup(
-        host=rdv.host, port=rdv.port, rank=rank, world_size=world_size, timeout_s=timeout_s
+        host=rdv.host,
+        port=rdv.port,
+        rank=rank,
+        world_size=world_size,
+        timeout_s=timeout_s,
+        **transport_kwargs(transport),
     )
 
 
-def _sync_worker(rank: int, world_size: int, rdv, bucket_bytes: int):
-    group = _group(rank, world_size, rdv)
+def _sync_worker(rank: int, world_size: int, rdv, transport: str, bucket_bytes: int):
+    group = _group(rank, world_size, rdv, transport)
     if rank == 0:
         model = _model(seed=1)
         sender = WeightSender(group, model, bucket_bytes=bucket_bytes)
@@ -77,8 +82,9 @@ def _sync_worker(rank: int, world_size: int, rdv, bucket_bytes: int):
 
 
 @pytest.mark.parametrize("bucket_bytes", [64 << 20, 256])
-def test_one_sender_two_receivers_bitwise(bucket_bytes: int) -> None:
-    results = run_distributed(_sync_worker, 3, bucket_bytes, timeout_s=90)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_one_sender_two_receivers_bitwise(transport: str, bucket_bytes: int) -> None:
+    results = run_distributed(_sync_worker, 3, transport, bucket_bytes, timeout_s=90)
     sent = results[0]
     for rank in (1, 2):
         for version_i in range(2):
@@ -92,8 +98,8 @@ def test_one_sender_two_receivers_bitwise(bucket_bytes: int) -> None:
     assert torch.equal(results[1][1]["lm_head.weight"], sent[1]["embed.weight"])
 
 
-def _load_fn_worker(rank: int, world_size: int, rdv):
-    group = _group(rank, world_size, rdv)
+def _load_fn_worker(rank: int, world_size: int, rdv, transport: str):
+    group = _group(rank, world_size, rdv, transport)
     if rank == 0:
         model = _model(seed=7)
         WeightSender(group, model, bucket_bytes=1024).send(11)
@@ -111,15 +117,16 @@ def _load_fn_worker(rank: int, world_size: int, rdv):
     return loaded
 
 
-def test_load_fn_receives_pairs() -> None:
-    sent, loaded = run_distributed(_load_fn_worker, 2, timeout_s=60)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_load_fn_receives_pairs(transport: str) -> None:
+    sent, loaded = run_distributed(_load_fn_worker, 2, transport, timeout_s=60)
     assert sent.keys() - {"lm_head.weight"} == loaded.keys()
     for name, tensor in loaded.items():
         assert torch.equal(tensor, sent[name]), name
 
 
-def _mismatch_worker(rank: int, world_size: int, rdv):
-    group = _group(rank, world_size, rdv, timeout_s=20)
+def _mismatch_worker(rank: int, world_size: int, rdv, transport: str):
+    group = _group(rank, world_size, rdv, transport, timeout_s=20)
     try:
         if rank == 0:
             WeightSender(group, {"w": torch.zeros(4, 4), "b": torch.zeros(4)})
@@ -136,12 +143,12 @@ def _mismatch_worker(rank: int, world_size: int, rdv):
 
 
 def test_manifest_mismatch_fails_clearly() -> None:
-    for message in run_distributed(_mismatch_worker, 2, timeout_s=60):
+    for message in run_distributed(_mismatch_worker, 2, "gloo", timeout_s=60):
         assert "'w'" in message and "(4, 4)" in message, message
 
 
-def _corrupt_worker(rank: int, world_size: int, rdv, direct_min_bytes: int):
-    group = _group(rank, world_size, rdv, timeout_s=10.0)
+def _corrupt_worker(rank: int, world_size: int, rdv, transport: str, direct_min_bytes: int):
+    group = _group(rank, world_size, rdv, transport, timeout_s=10.0)
     torch.manual_seed(0)
     named = {"w": torch.randn(256, 256), "b": torch.randn(64)}
     if rank == 0:
@@ -173,23 +180,26 @@ def _corrupt_worker(rank: int, world_size: int, rdv, direct_min_bytes: int):
 
 
 @pytest.mark.parametrize("direct_min_bytes", [0, 1 << 30], ids=["in-place", "packed"])
-def test_a_corrupted_bucket_is_refused(direct_min_bytes: int) -> None:
-    blamed, got = run_distributed(_corrupt_worker, 2, direct_min_bytes, timeout_s=60)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_corrupted_bucket_is_refused(transport: str, direct_min_bytes: int) -> None:
+    blamed, got = run_distributed(_corrupt_worker, 2, transport, direct_min_bytes, timeout_s=60)
     assert blamed in (None, 1)
     assert "checksum mismatch" in got["message"] and got["peer"] == 0 and got["bucket"] is not None, got
     assert got["held"] is None  # the receiver does not claim a version it did not get whole
 
 
-def _receiver_then_die(host: str, port: int, named: dict) -> None:
-    group = WeightSyncGroup(host=host, port=port, rank=1, world_size=2, timeout_s=4.0)
+def _receiver_then_die(host: str, port: int, named: dict, transport: str) -> None:
+    group = WeightSyncGroup(
+        host=host, port=port, rank=1, world_size=2, timeout_s=4.0, **transport_kwargs(transport)
+    )
     WeightReceiver(group, {k: torch.zeros_like(v) for k, v in named.items()})
     os._exit(0)  # dies without a word, holding its connections
 
 
-def _dead_receiver_worker(rank: int, world_size: int, rdv, mode: str):
+def _dead_receiver_worker(rank: int, world_size: int, rdv, transport: str, mode: str):
     named = {"w": torch.ones(64, 64), "b": torch.ones(64)}
     if rank == 0:
-        group = _group(rank, world_size, rdv, timeout_s=4.0)
+        group = _group(rank, world_size, rdv, transport, timeout_s=4.0)
         sender = WeightSender(group, named, bucket_bytes=4096)
         time.sleep(0.5)  # let the receiver die / stall
         start = time.monotonic()
@@ -200,29 +210,32 @@ def _dead_receiver_worker(rank: int, world_size: int, rdv, mode: str):
         raise AssertionError("send to a dead receiver succeeded")
     if mode == "killed":
         # A real process that dies: forked from this rank, so no second torch import.
-        child = mp.get_context("fork").Process(target=_receiver_then_die, args=(rdv.host, rdv.port, named))
+        child = mp.get_context("fork").Process(
+            target=_receiver_then_die, args=(rdv.host, rdv.port, named, transport)
+        )
         child.start()
         child.join(timeout=30)
         return child.exitcode
-    group = _group(rank, world_size, rdv, timeout_s=4.0)
+    group = _group(rank, world_size, rdv, transport, timeout_s=4.0)
     WeightReceiver(group, {k: torch.zeros_like(v) for k, v in named.items()})
     time.sleep(8.0)  # alive but never receives: the sender must not wait past its deadline
     return None
 
 
 @pytest.mark.parametrize("mode", ["killed", "stalled"])
-def test_dead_receiver_is_a_clear_error(mode: str) -> None:
-    result, exitcode = run_distributed(_dead_receiver_worker, 2, mode, timeout_s=60)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_dead_receiver_is_a_clear_error(transport: str, mode: str) -> None:
+    result, exitcode = run_distributed(_dead_receiver_worker, 2, transport, mode, timeout_s=60)
     assert result["peer"] == 1 and "peer rank 1" in result["message"], result
     assert result["seconds"] < 4.0 + 2.0, result  # one deadline, not a hang
     if mode == "killed":
         assert exitcode == 0
 
 
-def _receiver_sees_dead_sender(rank: int, world_size: int, rdv):
+def _receiver_sees_dead_sender(rank: int, world_size: int, rdv, transport: str):
     """The trainer dies after announcing a sync: the engine gets an error naming it, within the deadline."""
     named = {"w": torch.ones(256, 256)}
-    group = _group(rank, world_size, rdv, timeout_s=4.0)
+    group = _group(rank, world_size, rdv, transport, timeout_s=4.0)
     if rank == 0:
         WeightSender(group, named, bucket_bytes=4096)
         group.put("sync/1", {"generation": 0, "policy_version": 1})  # announce, then never send
@@ -243,16 +256,17 @@ def _receiver_sees_dead_sender(rank: int, world_size: int, rdv):
     raise AssertionError("received from a silent sender")
 
 
-def test_silent_sender_is_a_clear_error() -> None:
-    _, result = run_distributed(_receiver_sees_dead_sender, 2, timeout_s=60)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_silent_sender_is_a_clear_error(transport: str) -> None:
+    _, result = run_distributed(_receiver_sees_dead_sender, 2, transport, timeout_s=60)
     assert result["peer"] == 0 and result["bucket"] == 0 and "peer rank 0 (bucket 0)" in result["message"], (
         result
     )
     assert result["seconds"] < 4.0 + 2.0, result
 
 
-def _wire_worker(rank: int, world_size: int, rdv, wire: str):
-    group = _group(rank, world_size, rdv)
+def _wire_worker(rank: int, world_size: int, rdv, transport: str, wire: str):
+    group = _group(rank, world_size, rdv, transport)
     torch.manual_seed(0)
     named = {"w": torch.randn(300, 256), "norm": torch.randn(256)}  # w: a direct bucket if raw
     if rank == 0:
@@ -268,8 +282,9 @@ def _wire_worker(rank: int, world_size: int, rdv, wire: str):
 
 
 @pytest.mark.parametrize("wire", ["bfloat16", "float8_e4m3fn"])
-def test_lower_precision_on_the_wire_end_to_end(wire: str) -> None:
-    sent, served = run_distributed(_wire_worker, 2, wire, timeout_s=60)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_lower_precision_on_the_wire_end_to_end(transport: str, wire: str) -> None:
+    sent, served = run_distributed(_wire_worker, 2, transport, wire, timeout_s=60)
     assert torch.equal(served["norm"], sent["norm"].to(torch.bfloat16))  # 1-d tensors: bf16 either way
     if wire == "bfloat16":
         assert torch.equal(served["w"], sent["w"].to(torch.bfloat16))
@@ -278,8 +293,8 @@ def test_lower_precision_on_the_wire_end_to_end(wire: str) -> None:
         assert ((served["w"].float() - sent["w"]).abs() / row_max).max() <= 2**-4 + 2**-8
 
 
-def _strided_worker(rank: int, world_size: int, rdv):
-    group = _group(rank, world_size, rdv)
+def _strided_worker(rank: int, world_size: int, rdv, transport: str):
+    group = _group(rank, world_size, rdv, transport)
     torch.manual_seed(0)
     base = torch.randn(256, 300)
     # A parameter that is a transposed view: its boxes are not runs of memory, whatever the plan says.
@@ -293,7 +308,8 @@ def _strided_worker(rank: int, world_size: int, rdv):
     return served
 
 
-def test_a_strided_parameter_is_packed_and_arrives_bitwise() -> None:
-    sent, served = run_distributed(_strided_worker, 2, timeout_s=60)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_strided_parameter_is_packed_and_arrives_bitwise(transport: str) -> None:
+    sent, served = run_distributed(_strided_worker, 2, transport, timeout_s=60)
     for name in sent:
         assert torch.equal(served[name], sent[name]), name

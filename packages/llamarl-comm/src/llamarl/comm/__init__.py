@@ -9,7 +9,10 @@ Public API:
   ``receiver.receive() -> policy_version``, in place or through an engine's loader (``load_fn``).
 - Layouts: ``replicated``, ``tp_shard``, ``fused``, ``DestLayout``, ``SourceLayout`` (FSDP2 DTensors read
   automatically); ``make_plan`` computes the transfer plan.
-- ``llamarl.comm.testing``: ``run_distributed`` / ``free_port`` for multi-process tests.
+- ``llamarl.comm.colocated``: ``ColocatedSender`` / ``ColocatedReceiver`` for an engine on the trainer's
+  GPU (the trainer's memory mapped by CUDA IPC, handles from ``llamarl.comm.shared_memory``).
+- ``llamarl.comm.testing``: ``run_distributed`` / ``free_port`` for multi-process tests, and
+  ``nccl_rules_process_group``: gloo under NCCL's point-to-point rules, to test a protocol without a GPU.
 """
 
 from llamarl.comm._session import SyncStats

@@ -17,7 +17,10 @@ How a plan is made:
    left are split along their leading dims. On the wire a box may change precision (``wire_kind``).
 
 Every rank runs its part of all streams in one global order, bucket index first, then stream id
-(``TransferPlan.schedule``), which is what keeps the point-to-point traffic deadlock-free.
+(``TransferPlan.schedule``), and posts the messages it exchanges with each peer in that same order (a
+stream's manifest right after its last direct bucket), as its peer does: that keeps the point-to-point
+traffic deadlock-free and correctly paired under NCCL's rules (tags ignored, one ordered stream per
+pair), not only under gloo's tags.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ Shape = tuple[int, ...]
 # Every entry starts on an 8-byte boundary, so any dtype can be viewed in place and the checksum can
 # read the bucket as int64 words.
 ALIGN_BYTES = 8
-# Message tags give a bucket's index 15 bits, and the top index is reserved (see _session).
+# Message tags give a bucket's index 15 bits (the 16th marks a stream's manifest, see _transfer).
 MAX_BUCKETS_PER_STREAM = 0x7FFF
 FP8 = "float8_e4m3fn"
 BF16 = "bfloat16"
@@ -117,6 +120,7 @@ class Bucket:
     payload_bytes: int  # sum of the entries' (aligned) sizes
     # Direct bucket: one raw entry, contiguous in the destination tensor, received straight into it;
     # its trailer travels in the stream's manifest (one message after the stream's last direct bucket).
+    # Direct buckets come first in a stream, those sent from the source's memory before the others.
     direct: bool = False
     # A direct bucket whose box is not one run of the source's local tensor (a column slice): the
     # source packs it into a staging buffer first. Otherwise it is sent from the tensor's own memory.
@@ -349,6 +353,10 @@ def _bucketize(
             close()  # the remainder did not fit: this bucket is full
             todo.extend((cell, d, s) for d, s in reversed(rest))
     close()
+    # Direct buckets sent from the source's memory come first, so a source posts them all at once and
+    # packs the rest while they travel: messages between two ranks go in bucket order (NCCL matches
+    # them in the order they are posted), so a later one cannot overtake an earlier one.
+    direct.sort(key=lambda d: d[1])  # stable: cell order within each kind
     buckets = [
         Bucket(index=i, entries=es, payload_bytes=sum(e.nbytes for e in es), direct=True, src_copy=copy)
         for i, (es, copy) in enumerate(direct)

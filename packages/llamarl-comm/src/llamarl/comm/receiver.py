@@ -126,4 +126,4 @@ class WeightReceiver:
 
     def close(self) -> None:
         """Release buffers (the group is closed by its owner)."""
-        self._endpoint._buffers.clear()
+        self._endpoint.staging.clear()

@@ -108,4 +108,4 @@ class WeightSender:
 
     def close(self) -> None:
         """Release buffers (the group is closed by its owner)."""
-        self._endpoint._buffers.clear()
+        self._endpoint.staging.clear()

@@ -15,12 +15,17 @@ from __future__ import annotations
 
 import datetime
 import json
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["WeightSyncError", "WeightSyncGroup"]
+__all__ = ["ProcessGroupFactory", "WeightSyncError", "WeightSyncGroup"]
+
+# Builds a generation's process group: (store, rank, world_size, timeout) -> an object with torch's
+# ``send([t], peer, tag)`` / ``recv([t], peer, tag)`` returning works with ``wait(timeout)``.
+ProcessGroupFactory = Callable[[dist.Store, int, int, datetime.timedelta], Any]
 
 
 class WeightSyncError(RuntimeError):
@@ -45,7 +50,14 @@ class WeightSyncGroup:
 
     Rank 0 hosts the ``TCPStore`` (it must outlive the others: put it on the trainer). ``timeout_s`` is
     the deadline of every single wait: connecting, forming the group, each bucket. ``backend`` is
-    ``"gloo"`` (CPU tensors) or ``"nccl"`` (CUDA tensors on ``device``).
+    ``"gloo"`` (CPU tensors) or ``"nccl"`` (CUDA tensors on ``device``). The sync protocol never relies
+    on message tags and posts the messages of each pair of ranks in the same order on both sides (what
+    NCCL needs); its small control messages go through the store. On NCCL a work's deadline counts from
+    when it was posted, not from the wait (torch's ``WorkNCCL.wait(timeout)``): keep ``timeout_s`` above
+    the length of a whole sync.
+
+    ``process_group_factory`` replaces the backend's process group (tests run the protocol over
+    ``llamarl.comm.testing.nccl_rules_process_group``: gloo under NCCL's ordering rules).
     """
 
     def __init__(
@@ -59,6 +71,7 @@ class WeightSyncGroup:
         backend: str = "gloo",
         device: torch.device | str | None = None,
         prefix: str = "llamarl-wsync",
+        process_group_factory: ProcessGroupFactory | None = None,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside a group of world_size {world_size}")
@@ -70,6 +83,7 @@ class WeightSyncGroup:
         self.world_size = world_size
         self.timeout_s = timeout_s
         self.backend = backend
+        self.process_group_factory = process_group_factory
         self.device = torch.device(device if device is not None else ("cuda" if backend == "nccl" else "cpu"))
         try:
             # world_size=None: nobody waits for a head count, so a restarted rank can connect later.
@@ -102,7 +116,9 @@ class WeightSyncGroup:
         self.store.set(f"gen/{generation}/member/{self.rank}", "1")
         pg_store = dist.PrefixStore(f"gen/{generation}/pg/", self.store)
         try:
-            if self.backend == "gloo":
+            if self.process_group_factory is not None:
+                pg = self.process_group_factory(pg_store, self.rank, self.world_size, _td(self.timeout_s))
+            elif self.backend == "gloo":
                 pg = dist.ProcessGroupGloo(pg_store, self.rank, self.world_size, _td(self.timeout_s))
             else:  # pragma: no cover - needs CUDA
                 opts = dist.ProcessGroupNCCL.Options()
@@ -196,6 +212,10 @@ class WeightSyncGroup:
                 f"rank {self.rank}: waited {timeout}s for {who} to publish {key!r}: {exc}", peer=peer
             ) from exc
         return json.loads(raw.decode())
+
+    def delete(self, key: str) -> None:
+        """Remove ``key`` (no error when it is absent)."""
+        self.store.delete_key(key)
 
     def add(self, key: str, amount: int) -> int:
         """Atomically add ``amount`` to the integer counter ``key`` and return the new value."""

@@ -2,7 +2,7 @@
 
 vLLM mixes a `worker_extension_cls` into each of its workers, and the driver calls the extension's methods
 on every worker with `LLM.collective_rpc(name, ...)`. This module provides that class. Inside the worker
-it joins llamarl's own weight-sync group (a private gloo group built from its own store; vLLM's process
+it joins llamarl's own weight-sync group (a private gloo or NCCL group built from its own store; vLLM's
 groups are never touched), receives the trainer's weights under the trainer's names (HF checkpoint
 names) and loads them with the model runner's `reload_weights(..., is_checkpoint_format=True)`, which
 runs vLLM's own checkpoint loaders: names are mapped, q/k/v and gate/up are fused, tensor-parallel
@@ -27,12 +27,40 @@ The worker never needs the trainer's model object: it learns the names, shapes a
 the safetensors headers of the folder the engine serves (checkpoint names are exactly what a trainer
 holding the HF model sends).
 
+On CUDA, llamarl.comm rather than vLLM's own weight-transfer engines. vLLM (0.32 and later,
+`vllm/distributed/weight_transfer/`) has an NCCL engine and a CUDA IPC engine. The NCCL engine
+broadcasts every parameter whole from trainer rank 0 to every worker (a PyNccl communicator over its
+`StatelessProcessGroup`; optionally packed into double-buffered 1 GB chunks): an FSDP2 trainer must
+gather each parameter on rank 0 first (`full_tensor()`), every tensor-parallel worker receives all of
+it and keeps its shard, so the bytes on the wire grow with the TP degree, and nothing checks an update
+(no checksum or version per update, no deadline on its waits, no rejoin of a restarted engine). The
+CUDA IPC engine serves a trainer on the engine's own GPU, with the handles pickled over Ray or HTTP.
+llamarl.comm does what LlamaRL's DDMA needs instead: each slice goes straight from the trainer rank
+that owns it to the worker that needs it, resharded on the way (TP slices, fused qkv), in checksummed
+and versioned buckets, every wait with a deadline, and a restarted engine rejoins. So:
+
+- A worker on CUDA receives over llamarl.comm with NCCL (`backend` defaults to "nccl" when the worker's
+  device is CUDA; the trainer's group must use "nccl" too) into staging buffers on its own GPU (the
+  group's device), and vLLM's loader copies them from there into its parameters: the weights never pass
+  through host memory. The staging costs one copy of the worker's weights in GPU memory, kept between
+  syncs (vLLM's layerwise reload needs a layer's weights in one call, so a sync loads in one call).
+- A trainer on the engine's GPU (two ranks on one device cannot form an NCCL communicator) shares its
+  tensors instead: `init_weight_sync(..., colocated=True)` maps them by CUDA IPC (`llamarl.comm.colocated`,
+  handles as JSON through the group's store, never pickles) and vLLM's loader copies straight from the
+  trainer's memory, with no staging at all. The trainer runs a `ColocatedSender` on the same group.
+
+Neither CUDA path has run on a GPU yet: on the CPU the NCCL path's message order is tested with the
+NCCL-rules transport (`llamarl.comm.testing`), and the colocated protocol with shared-memory files
+standing in for CUDA IPC. Unverified on a GPU: NCCL between two processes with different torch builds
+(the vLLM environment pins its own torch), and torch's CUDA IPC between them.
+
 Things to know:
 
 - The destination dtypes are the checkpoint's. A trainer holding float32 weights for a bfloat16
   checkpoint sends with `WeightSender(..., wire_dtype=torch.bfloat16)` (the plan refuses a silent cast).
-- The receiver stages one full copy of the (per-worker) weights in its own buffers, kept between syncs,
-  and hands them to vLLM's loader in one call once the sync is verified.
+- The receiver stages one full copy of the (per-worker) weights in its own buffers on the group's
+  device, kept between syncs, and hands them to vLLM's loader in one call once the sync is verified
+  (colocated: no staging, see below).
 - The trainer (rank 0) hosts the group's store; the receiver writes the version it holds there after
   loading (`WeightSender.held_versions()`), so the trainer must not exit right after `send` returns.
 - After a sync the engine's prefix cache holds KV from the old weights: `sync_weights` resets it.
@@ -146,7 +174,7 @@ class _SyncState:
     """What one worker holds between `init_weight_sync` and `close_weight_sync`."""
 
     group: Any  # llamarl.comm.WeightSyncGroup
-    receiver: Any  # llamarl.comm.WeightReceiver
+    receiver: Any  # llamarl.comm.WeightReceiver, or a ColocatedReceiver: receive(timeout_s), close()
 
 
 # Instance attributes of the worker where the extension keeps its state. vLLM's name-conflict check
@@ -172,7 +200,8 @@ class WeightSyncWorkerExtension:
         world_size: int,
         timeout_s: float = 120.0,
         src_rank: int = 0,
-        backend: str = "gloo",
+        backend: str | None = None,
+        colocated: bool = False,
     ) -> int:
         """Join the weight-sync group hosted by the trainer (rank `src_rank` hosts the store).
 
@@ -181,15 +210,21 @@ class WeightSyncWorkerExtension:
         `WeightSender` must be constructed at about the same time: both sides publish their layouts and
         wait (at most `timeout_s`) for each other's. Returns the number of tensors this worker expects.
 
-        `backend="nccl"` receives straight into device memory (CUDA engines; untested here: this repo's
-        CI runs vLLM on the CPU, where gloo is the only choice).
+        `backend`: "nccl" when the worker's device is CUDA (received straight into buffers on that GPU),
+        else "gloo"; the trainer's group must use the same. `colocated=True`: the trainer runs on this
+        worker's GPU with a `llamarl.comm.colocated.ColocatedSender`, whose memory the worker maps (no
+        process group, no staging). Neither CUDA path has run on a GPU yet (module doc).
         """
         from llamarl.comm import WeightReceiver, WeightSyncGroup
+        from llamarl.comm.colocated import ColocatedReceiver
 
         if getattr(self, _STATE_ATTR, None) is not None:
             raise RuntimeError("init_weight_sync called twice without close_weight_sync")
         model_config = self.vllm_config.model_config  # type: ignore[attr-defined]
         specs = checkpoint_tensor_specs(resolve_model_dir(model_config.model, model_config.revision))
+        device = torch.device(self.device)  # type: ignore[attr-defined]
+        if backend is None:
+            backend = "nccl" if device.type == "cuda" else "gloo"
         group = WeightSyncGroup(
             host=host,
             port=port,
@@ -197,20 +232,20 @@ class WeightSyncWorkerExtension:
             world_size=world_size,
             timeout_s=timeout_s,
             backend=backend,
-            device=self.device if backend == "nccl" else None,  # type: ignore[attr-defined]
+            device=device if backend == "nccl" else None,
         )
+        # The receivers only read names, shapes and dtypes from these (meta: no memory). The p2p one
+        # stages each sync in buffers of its own on the group's device; the colocated one hands vLLM's
+        # loader the trainer's own (mapped) tensors. Either loads a sync in one call, once it is whole.
+        expected = {
+            name: torch.empty(spec.shape, dtype=spec.dtype, device="meta") for name, spec in specs.items()
+        }
+        load_fn = functools.partial(_reload_weights, self)
         try:
-            # With a load_fn the receiver only reads names, shapes and dtypes from these (meta, no memory),
-            # stages each sync in buffers of its own, and hands the verified sync to vLLM's loader.
-            receiver = WeightReceiver(
-                group,
-                {
-                    name: torch.empty(spec.shape, dtype=spec.dtype, device="meta")
-                    for name, spec in specs.items()
-                },
-                src_rank=src_rank,
-                load_fn=functools.partial(_reload_weights, self),
-            )
+            if colocated:
+                receiver: Any = ColocatedReceiver(group, expected, src_rank=src_rank, load_fn=load_fn)
+            else:
+                receiver = WeightReceiver(group, expected, src_rank=src_rank, load_fn=load_fn)
         except BaseException:
             group.close()
             raise

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import importlib
 import importlib.util
 import multiprocessing as mp
@@ -105,6 +106,10 @@ def _run_task(task: tuple[Any, ...]) -> tuple[int, int, str, Any]:
         if dist.is_available() and dist.is_initialized():
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
+        # Objects of this call caught in reference cycles (a process group held by an exception's
+        # frames) are destroyed now, in the process that owns their threads, not in a child that a
+        # later call forks, where those threads do not exist.
+        gc.collect()
 
 
 def _worker_main(tasks: Any, results: Any) -> None:
