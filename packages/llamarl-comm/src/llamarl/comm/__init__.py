@@ -11,8 +11,9 @@ Public API:
   automatically); ``make_plan`` computes the transfer plan.
 - ``llamarl.comm.colocated``: ``ColocatedSender`` / ``ColocatedReceiver`` for an engine on the trainer's
   GPU (the trainer's memory mapped by CUDA IPC, handles from ``llamarl.comm.shared_memory``).
-- ``llamarl.comm.testing``: ``run_distributed`` / ``free_port`` for multi-process tests, and
-  ``nccl_rules_process_group``: gloo under NCCL's point-to-point rules, to test a protocol without a GPU.
+- ``free_port``: a port for a group's store.
+- ``llamarl.comm.testing``: ``run_distributed`` for multi-process tests, and ``nccl_rules_process_group``:
+  gloo under NCCL's point-to-point rules, to test a protocol without a GPU.
 """
 
 from llamarl.comm._session import SyncStats
@@ -31,7 +32,7 @@ from llamarl.comm.layouts import (
 from llamarl.comm.plan import PlanError, TransferPlan, make_plan
 from llamarl.comm.receiver import LoadFn, WeightReceiver
 from llamarl.comm.sender import WeightSender
-from llamarl.comm.transport import WeightSyncError, WeightSyncGroup
+from llamarl.comm.transport import WeightSyncError, WeightSyncGroup, free_port
 
 __all__ = [
     "DestLayout",
@@ -47,6 +48,7 @@ __all__ = [
     "WeightSender",
     "WeightSyncError",
     "WeightSyncGroup",
+    "free_port",
     "fused",
     "make_plan",
     "named_tensors_of",

@@ -15,17 +15,26 @@ from __future__ import annotations
 
 import datetime
 import json
+import socket
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["ProcessGroupFactory", "WeightSyncError", "WeightSyncGroup"]
+__all__ = ["ProcessGroupFactory", "WeightSyncError", "WeightSyncGroup", "free_port"]
 
 # Builds a generation's process group: (store, rank, world_size, timeout) -> an object with torch's
 # ``send([t], peer, tag)`` / ``recv([t], peer, tag)`` returning works with ``wait(timeout)``.
 ProcessGroupFactory = Callable[[dist.Store, int, int, datetime.timedelta], Any]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` a moment ago (the OS picks it; never a fixed port): where a
+    ``WeightSyncGroup``'s store (or any rendezvous) can listen."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
 
 
 class WeightSyncError(RuntimeError):

@@ -26,10 +26,10 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from llamarl.comm import free_port
 from llamarl.control.cli import RESOLVED_CONFIG, write_config
 from llamarl.control.config import RunConfig, replace_in
 from llamarl.control.faults import ERRORS_DIR
-from llamarl.control.net import free_port
 from llamarl.control.spmd import run_rank
 from llamarl.control.tasks import Example
 

@@ -27,7 +27,6 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
-import socket
 import sys
 import tempfile
 import time
@@ -36,14 +35,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from llamarl.comm.transport import free_port
+
 __all__ = ["DistributedPool", "DistributedTestError", "Rendezvous", "free_port", "run_distributed"]
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """Return a TCP port that was free on ``host`` a moment ago (the OS picks it; never a fixed port)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass(frozen=True, kw_only=True)

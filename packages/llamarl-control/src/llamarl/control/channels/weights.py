@@ -14,8 +14,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from llamarl.comm import WeightSender, WeightSyncGroup
-from llamarl.control.net import free_port
+from llamarl.comm import WeightSender, WeightSyncGroup, free_port
 from llamarl.exec.types import Generator
 
 __all__ = ["WeightChannelAddress", "connect_generator", "open_sender", "weight_channel_address"]
@@ -36,7 +35,8 @@ class WeightChannelAddress:
 def weight_channel_address(rank: int, world_size: int) -> WeightChannelAddress:
     """Where the weight-sync group meets: a port chosen by the first trainer rank (a collective over
     every rank of the default group)."""
-    port = torch.tensor([free_port() if rank == FIRST_TRAINER_RANK else 0], dtype=torch.int64)
+    # Checked free on every interface: other machines connect to it.
+    port = torch.tensor([free_port("") if rank == FIRST_TRAINER_RANK else 0], dtype=torch.int64)
     dist.broadcast(port, FIRST_TRAINER_RANK)
     return WeightChannelAddress(
         host=os.environ.get("MASTER_ADDR", "127.0.0.1"),
