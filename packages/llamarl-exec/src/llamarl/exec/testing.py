@@ -15,20 +15,35 @@ TINY_EOS_TOKEN_ID = 2
 TINY_PAD_TOKEN_ID = 0
 
 
-def slow_reward(completion: str, reference: str) -> float:
+def slow_reward(prompt: list, completion: str, row: dict) -> float:
     """Sleeps `float(completion)` seconds when the completion starts with "sleep ", then scores 1.0."""
     if completion.startswith("sleep "):
         time.sleep(float(completion.split()[1]))
     return 1.0
 
 
-def failing_reward(completion: str, reference: str) -> float:
-    """Raises on "raise", kills its own process on "die", otherwise scores 1.0."""
+def failing_reward(prompt: list, completion: str, row: dict) -> float:
+    """Raises on "raise", kills its own process on "die", returns text on "text", otherwise scores 1.0."""
     if completion == "raise":
         raise RuntimeError("verifier bug")
     if completion == "die":
         os._exit(3)
+    if completion == "text":
+        return "yes"  # type: ignore[return-value]
     return 1.0
+
+
+def length_reward(prompts: list, completions: list[str], rows: list[dict]) -> list[float]:
+    """Batched: 1 / (1 + characters) of each completion."""
+    return [1.0 / (1 + len(c)) for c in completions]
+
+
+async def async_match_reward(prompt: list, completion: str, row: dict) -> float:
+    """Async: 1.0 when the completion equals `row["answer"]` (after yielding to the event loop)."""
+    import asyncio
+
+    await asyncio.sleep(0.01)
+    return float(completion == row["answer"])
 
 
 def shared_data_dir(start: str | os.PathLike[str]) -> Path:
