@@ -118,9 +118,14 @@ def call_function(module: str, qualname: str, arguments: dict, limits: Limits) -
     payload = json.dumps({"module": module, "qualname": qualname, "arguments": arguments})
     env = {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     result = _run([sys.executable, "-c", _CALL_FUNCTION], payload, limits, env=env)
-    _printed, mark, value = result.output.partition(RESULT_MARK)
-    if not mark:
-        return result
+    printed, mark, value = result.output.partition(RESULT_MARK)
+    if not mark or not result.ok:  # killed at a limit, or raised: the run's own account
+        return SandboxResult(
+            output=printed + value,
+            exit_code=result.exit_code,
+            timed_out=result.timed_out,
+            flooded=result.flooded,
+        )
     return SandboxResult(output=value, exit_code=result.exit_code)
 
 

@@ -130,3 +130,36 @@ def build_trainer(model: str, *, temperature: float = 1.0, total_steps: int = 1,
         total_steps=total_steps,
         **runtime,
     )
+
+
+class FeedbackEnvironment:
+    """A multi-turn test environment: answers every model turn with a user message ("Try again.") and
+    finishes after `row["turns"]` turns (default 3) with reward 1.0; raises on step when `row["broken"]`."""
+
+    def start(self, row: dict) -> None:
+        self.row = row
+        self.turns = 0
+
+    def step(self, turn):
+        from llamarl.exec.environments import Finish, Reply
+
+        if self.row.get("broken"):
+            raise RuntimeError("environment bug")
+        self.turns += 1
+        if self.turns >= self.row.get("turns", 3):
+            return Finish(reward=1.0)
+        return Reply([{"role": "user", "content": f"Try again ({self.turns})."}])
+
+
+def lookup_capital(country: str) -> str:
+    """Looks up the capital of a country.
+
+    Args:
+        country: the country's name in English
+    """
+    if country == "loop":
+        while True:
+            pass
+    if country == "flood":
+        return "x" * 10_000_000
+    return {"France": "Paris", "Japan": "Tokyo"}.get(country, "unknown")

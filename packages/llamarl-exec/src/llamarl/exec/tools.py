@@ -191,8 +191,9 @@ class FunctionTool:
 
     def __call__(self, **arguments: Any) -> str:
         result = call_function(self.function.__module__, self.function.__qualname__, arguments, self.limits)
-        if not result.ok:
-            raise RuntimeError(result.describe().strip().splitlines()[-1] if result.output else "failed")
+        if not result.ok:  # the last line says why: the limit it was killed at, or the exception raised
+            lines = result.describe().strip().splitlines()
+            raise RuntimeError(lines[-1] if lines else f"exit code {result.exit_code}")
         return result.output
 
 
