@@ -73,8 +73,13 @@ class FakeRewarder:
     """Reward = 1 for the first sample of a group whose prompt index is odd: even prompts' groups have
     equal rewards (zero variance), odd ones do not."""
 
-    def score(self, completions: list[str], references: list[str]) -> list[float]:
-        return [float(int(c) % 2 == 1 and r == "first") for c, r in zip(completions, references, strict=True)]
+    num_failures = 0
+
+    def score(self, prompts: list, completions: list[str], rows: list[dict]) -> list[float]:
+        return [
+            float(int(c) % 2 == 1 and r["reference"] == "first")
+            for c, r in zip(completions, rows, strict=True)
+        ]
 
 
 class FakeTrainer:
@@ -147,8 +152,11 @@ class FakePrompts:
     def encode(self, index: int) -> list[int]:
         return [index]
 
-    def reference(self, index: int) -> str:
-        return "first"
+    def row(self, index: int) -> dict:
+        return {"reference": "first"}
+
+    def messages(self, index: int) -> list[dict]:
+        return [{"role": "user", "content": f"q{index}"}]
 
     def question(self, index: int) -> str:
         return f"q{index}"

@@ -1,4 +1,4 @@
-"""Dataset loading and validation for the math tasks, on the shared local copies and on broken files."""
+"""Tasks: the built-in ones' rows on the shared local copies and on broken files, and the Task API."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from llamarl.control.tasks import GSM8K, MATH, DataError, load_examples
+from llamarl.control.tasks import GSM8K, MATH, DataError, load_rows
 from llamarl.exec.testing import shared_data_dir
 
 
@@ -19,23 +19,23 @@ def _shared(name: str) -> str:
 
 
 def test_loads_local_gsm8k_with_references():
-    examples = load_examples(GSM8K, _shared("gsm8k"), "test")
+    examples = load_rows(GSM8K, _shared("gsm8k"), "test")
     assert len(examples) == 1319
-    assert all("####" in e.reference for e in examples)
-    assert examples[0].question.startswith("Janet")
+    assert all("####" in e["answer"] for e in examples)
+    assert examples[0]["question"].startswith("Janet")
 
 
 def test_loads_local_math_answer_column():
-    examples = load_examples(MATH, _shared("math"), "test")
+    examples = load_rows(MATH, _shared("math"), "test")
     assert len(examples) == 5000
-    assert all(e.reference for e in examples)
+    assert all(e["answer"] for e in examples)
 
 
 def test_math_falls_back_to_last_boxed_of_solution(tmp_path):
     row = {"problem": "1+1?", "solution": "We get $\\boxed{\\frac{1}{2}}$ then \\boxed{2}."}
     (tmp_path / "train.jsonl").write_text(json.dumps(row) + "\n")
-    [example] = load_examples(MATH, str(tmp_path), "train")
-    assert example.reference == "2"
+    [example] = load_rows(MATH, str(tmp_path), "train")
+    assert example["answer"] == "2"
 
 
 @pytest.mark.parametrize(
@@ -51,12 +51,12 @@ def test_malformed_rows_name_file_line_and_problem(tmp_path, line, message):
     good = json.dumps({"question": "q", "answer": "x #### 1"})
     (tmp_path / "train.jsonl").write_text(good + "\n" + line + "\n")
     with pytest.raises(DataError, match=re.escape(message)):
-        load_examples(GSM8K, str(tmp_path), "train")
+        load_rows(GSM8K, str(tmp_path), "train")
 
 
 def test_missing_file_says_what_is_expected(tmp_path):
     with pytest.raises(DataError, match=r"train\.jsonl and test\.jsonl"):
-        load_examples(GSM8K, str(tmp_path), "train")
+        load_rows(GSM8K, str(tmp_path), "train")
 
 
 def test_rows_without_a_usable_answer_are_skipped_with_a_warning(tmp_path, caplog):
@@ -67,8 +67,8 @@ def test_rows_without_a_usable_answer_are_skipped_with_a_warning(tmp_path, caplo
     ]
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     with caplog.at_level("WARNING"):
-        examples = load_examples(GSM8K, str(tmp_path), "train")
-    assert [e.question for e in examples] == ["q1"]
+        examples = load_rows(GSM8K, str(tmp_path), "train")
+    assert [e["question"] for e in examples] == ["q1"]
     assert "skipped 2 row(s)" in caplog.text and "train.jsonl:2" in caplog.text
 
 
@@ -76,13 +76,13 @@ def test_a_file_of_only_unusable_rows_is_an_error(tmp_path):
     (tmp_path / "train.jsonl").write_text(
         json.dumps({"problem": "p", "answer": "", "solution": "\\boxed{}"}) + "\n"
     )
-    with pytest.raises(DataError, match="no rows with a usable reference answer"):
-        load_examples(MATH, str(tmp_path), "train")
+    with pytest.raises(DataError, match="no usable rows"):
+        load_rows(MATH, str(tmp_path), "train")
 
 
 def test_shared_math_copy_loads_despite_its_empty_answer_rows(caplog):
     with caplog.at_level("WARNING"):
-        assert len(load_examples(MATH, _shared("math"), "train")) == 7496
+        assert len(load_rows(MATH, _shared("math"), "train")) == 7496
     assert "skipped 2 row(s)" in caplog.text
 
 
@@ -90,17 +90,18 @@ def test_arithmetic_task_holds_out_whole_operand_pairs():
     from llamarl.control.tasks import ARITH
     from llamarl.exec.rewards import gsm8k_reward
 
-    train, test = load_examples(ARITH, None, "train"), load_examples(ARITH, None, "test")
+    question = lambda e: e["question"]  # noqa: E731
+    train, test = load_rows(ARITH, None, "train"), load_rows(ARITH, None, "test")
     assert (len(train), len(test)) == (400, 100)
     pairs = {
-        s: {tuple(re.findall(r"\d+", e.question)) for e in split}
+        s: {tuple(re.findall(r"\d+", question(e))) for e in split}
         for s, split in (("train", train), ("test", test))
     }
     assert len(pairs["test"]) == 20 and not pairs["train"] & pairs["test"]
     a, b = next(iter(pairs["test"]))
-    example = next(e for e in test if tuple(re.findall(r"\d+", e.question)) == (a, b))
-    assert gsm8k_reward(f"{a} + {b} = {int(a) + int(b)}", example.reference) == 1.0
-    assert load_examples(ARITH, None, "test") == test  # the split does not move between calls
+    example = next(e for e in test if tuple(re.findall(r"\d+", question(e))) == (a, b))
+    assert gsm8k_reward(f"{a} + {b} = {int(a) + int(b)}", example["answer"]) == 1.0
+    assert load_rows(ARITH, None, "test") == test  # the split does not move between calls
 
 
 def test_gzip_copies_load_like_the_plain_files(tmp_path):
@@ -112,13 +113,13 @@ def test_gzip_copies_load_like_the_plain_files(tmp_path):
     ]
     with gzip.open(tmp_path / "test.jsonl.gz", "wt", encoding="utf-8") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
-    examples = load_examples(GSM8K, str(tmp_path), "test")
-    assert [e.reference for e in examples] == ["#### 5", "#### 8"]
+    examples = load_rows(GSM8K, str(tmp_path), "test")
+    assert [e["answer"] for e in examples] == ["#### 5", "#### 8"]
     (tmp_path / "bad").mkdir()
     with gzip.open(tmp_path / "bad" / "test.jsonl.gz", "wt") as f:
         f.write("{not json\n")
     with pytest.raises(DataError, match=r"test.jsonl.gz:1: not valid JSON"):
-        load_examples(GSM8K, str(tmp_path / "bad"), "test")
+        load_rows(GSM8K, str(tmp_path / "bad"), "test")
 
 
 def test_the_apps_embedded_copies_hold_the_full_datasets():
@@ -129,7 +130,7 @@ def test_the_apps_embedded_copies_hold_the_full_datasets():
     for task, name, sizes in ((GSM8K, "gsm8k", (7473, 1319)), (MATH, "math", (7496, 5000))):
         for split, size in zip(("train", "test"), sizes, strict=True):
             assert (embedded / name / f"{split}.jsonl.gz").stat().st_size < 2 << 20
-            assert len(load_examples(task, str(embedded / name), split)) == size
+            assert len(load_rows(task, str(embedded / name), split)) == size
 
 
 def test_offline_mode_is_reported_without_touching_the_network(monkeypatch):
@@ -137,3 +138,120 @@ def test_offline_mode_is_reported_without_touching_the_network(monkeypatch):
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert hub_unavailable_reason() == "offline mode is set (HF_HUB_OFFLINE)"
+
+
+# -- the Task API ------------------------------------------------------------------------------------
+
+USER_TASK = """
+from llamarl.control import Task
+
+def matches(prompt, completion, row):
+    return float(completion.strip() == row["word"].upper())
+
+TASK = Task(
+    name="shout",
+    rows={"train": [{"word": "cat"}, {"word": "dog"}], "test": [{"word": "owl"}]},
+    prompt="Write '{word}' in capitals.",
+    system="Answer with one word.",
+    rewards=[matches],
+    fields=("word",),
+)
+
+def make_task():
+    return TASK
+
+NOT_A_TASK = 3
+"""
+
+
+def test_a_users_module_task_loads_by_file_and_checks_its_rows(tmp_path):
+    from llamarl.control.tasks import load_task
+
+    (tmp_path / "shout_task.py").write_text(USER_TASK)
+    task = load_task(None, f"{tmp_path / 'shout_task.py'}:TASK")
+    assert task.name == "shout" and not task.multi_turn
+    assert load_task(None, f"{tmp_path / 'shout_task.py'}:make_task") is task
+    assert [r["word"] for r in load_rows(task, None, "train")] == ["cat", "dog"]
+    assert task.messages({"word": "owl"}) == [
+        {"role": "system", "content": "Answer with one word."},
+        {"role": "user", "content": "Write 'owl' in capitals."},
+    ]
+    with pytest.raises(DataError, match=r"shout\[train\]\[0\]: missing or empty field 'word'"):
+        task.check_row({}, where="shout[train][0]")
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("no_such_pkg.tasks:TASK", "cannot import 'no_such_pkg.tasks' (ModuleNotFoundError"),
+        ("shout_task.py:MISSING", "defines no 'MISSING'"),
+        ("shout_task.py:NOT_A_TASK", "NOT_A_TASK is a int, not a llamarl Task"),
+        ("shout_task", "expected 'package.module:NAME'"),
+    ],
+)
+def test_a_bad_task_module_is_one_line_before_any_rank_starts(tmp_path, monkeypatch, spec, message):
+    from llamarl.control.config import ConfigError, RunConfig, replace_in
+
+    (tmp_path / "shout_task.py").write_text(USER_TASK)
+    monkeypatch.chdir(tmp_path)
+    config = RunConfig(task="arith")
+    with pytest.raises(ConfigError) as info:
+        replace_in(config, **{"task.module": spec})
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_module_task_names_the_run(tmp_path):
+    from llamarl.control.config import RunConfig
+
+    (tmp_path / "shout_task.py").write_text(USER_TASK)
+    config = RunConfig(task={"module": f"{tmp_path / 'shout_task.py'}:TASK"})
+    assert config.task.name == "shout" and config.output_dir.name == "shout_rl"
+
+
+def test_a_lambda_reward_is_refused_with_the_fix():
+    from llamarl.control.tasks import Task, TaskError
+
+    task = Task(name="t", rows={"train": [{"q": "x"}]}, rewards=[lambda p, c, r: 1.0])
+    with pytest.raises(
+        TaskError, match=r"rewards\[0\] \(<lambda>\) cannot be sent to worker processes.*module level"
+    ):
+        task.check()
+
+
+def test_rows_from_a_function_and_weighted_rewards():
+    from llamarl.control.tasks import Task
+    from llamarl.exec.rewards import Reward, score_samples
+    from llamarl.exec.testing import length_reward
+
+    task = Task(
+        name="arith_copy",
+        rows=arithmetic_rows_for_test,
+        prompt="{question}",
+        rewards=[(length_reward, 2.0), Reward(length_reward, weight=-1.0, batched=True, name="short")],
+    )
+    rows = load_rows(task, None, "test")
+    assert len(rows) == 100
+    [total], [error] = score_samples(task.reward_functions[1:], [[]], ["abc"], [rows[0]])
+    assert total == pytest.approx(-0.25) and error is None
+    [total], [error] = score_samples(task.reward_functions[:1], [[]], ["abc"], [rows[0]])
+    assert total == 0.0 and "not a number" in error  # a batched function called per sample: counted
+
+
+def arithmetic_rows_for_test(split):
+    from llamarl.control.arithmetic import arithmetic_rows
+
+    return arithmetic_rows(split)
+
+
+def test_reasoning_gym_tasks_by_name_make_rows_offline_and_score_with_its_verifier():
+    from llamarl.control.tasks import load_task
+
+    task = load_task("reasoning_gym:basic_arithmetic")
+    train, test = load_rows(task, None, "train"), load_rows(task, None, "test")
+    assert len(train) == 2000 and len(test) == 200
+    assert {r["question"] for r in test[:50]} != {r["question"] for r in train[:50]}
+    row = test[0]
+    [reward] = task.reward_functions
+    assert reward.fn([], f"I think <answer>{row['answer']}</answer>", row) == 1.0
+    assert reward.fn([], "no tags", row) == 0.0
+    assert "<answer>" in task.messages(row)[-1]["content"]

@@ -1,5 +1,6 @@
-"""llamarl.control: the single controller: the run config, the two sides of a run, the channels between
-them, launch through torch elastic, checkpoints, evaluation and metrics.
+"""llamarl.control: the single controller: tasks and how to run them (`Task`, `train`, `main`), the run
+config, the two sides of a run, the channels between them, launch through torch elastic, checkpoints,
+evaluation and metrics.
 
 Public names load lazily (PEP 562), so reading a dataset or a config does not start torch.distributed.
 """
@@ -15,13 +16,18 @@ _EXPORTS = {
     "parse_run_config": "cli",
     "RunFailed": "launcher",
     "launch": "launcher",
+    "train": "run",
+    "main": "run",
     "GSM8K": "tasks",
     "MATH": "tasks",
     "TASKS": "tasks",
     "DataError": "tasks",
-    "Example": "tasks",
+    "Hub": "tasks",
     "Task": "tasks",
-    "load_examples": "tasks",
+    "TaskError": "tasks",
+    "load_rows": "tasks",
+    "load_task": "tasks",
+    "reasoning_gym_task": "reasoning_gym",
 }
 
 __all__ = [
@@ -30,20 +36,37 @@ __all__ = [
     "TASKS",
     "ConfigError",
     "DataError",
-    "Example",
+    "Hub",
     "RunConfig",
     "RunFailed",
     "Task",
+    "TaskError",
     "launch",
-    "load_examples",
+    "load_rows",
+    "load_task",
+    "main",
     "parse_run_config",
+    "reasoning_gym_task",
+    "train",
 ]
 
 if TYPE_CHECKING:
     from llamarl.control.cli import parse_run_config
     from llamarl.control.config import ConfigError, RunConfig
     from llamarl.control.launcher import RunFailed, launch
-    from llamarl.control.tasks import GSM8K, MATH, TASKS, DataError, Example, Task, load_examples
+    from llamarl.control.reasoning_gym import reasoning_gym_task
+    from llamarl.control.run import main, train
+    from llamarl.control.tasks import (
+        GSM8K,
+        MATH,
+        TASKS,
+        DataError,
+        Hub,
+        Task,
+        TaskError,
+        load_rows,
+        load_task,
+    )
 
 
 def __getattr__(name: str):

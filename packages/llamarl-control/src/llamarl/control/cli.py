@@ -78,8 +78,18 @@ CONFIG_SUFFIXES = (".toml", ".yaml", ".yml")
 RESOLVED_CONFIG = "config.toml"  # written into the output folder by every run
 
 
-def parse_run_config(argv: list[str], *, task: str, prog: str, description: str) -> RunConfig:
+def parse_run_config(
+    argv: list[str],
+    *,
+    task: str | None,
+    prog: str,
+    description: str,
+    defaults: dict[str, Any] | None = None,
+) -> RunConfig:
     """The run configuration of a command line: `--config FILE` (if any) under the flags.
+
+    `task`: the app's task name (None: the settings name it, `--task.module` or `--task.name`);
+    `defaults`: settings in code (sections as dicts), under the config file and the flags.
 
     Raises:
         ConfigError: one line naming the setting (or file, or flag) to fix.
@@ -93,13 +103,12 @@ def parse_run_config(argv: list[str], *, task: str, prog: str, description: str)
             )
     config_path, flags = _split_config_flag(argv)
     flags = [_spell_out(flag) for flag in flags]
-    layers = {"task": {"name": task}}
+    layers: dict[str, Any] = {"task": {"name": task}} if task else {}
+    layers = _deep_merge(layers, defaults or {})
     if config_path is not None:
         from_file = load_config_file(config_path)
-        file_task = (
-            from_file.get("task", {}).get("name", task) if isinstance(from_file.get("task"), dict) else task
-        )
-        if file_task != task:
+        file_task = from_file.get("task", {}).get("name") if isinstance(from_file.get("task"), dict) else None
+        if task and file_task and file_task != task:
             raise ConfigError(
                 f"{config_path} is a config for task {file_task!r}; run apps/{file_task}_rl with it"
             )

@@ -46,23 +46,30 @@ class ConfigError(ValueError):
 
 
 class TaskConfig(ConfigSection):
-    """What to learn: the task (its rows, prompt and reward) and where its rows come from."""
+    """What to learn: the task (its rows, prompt and rewards) and where its rows come from."""
 
-    name: str
-    """the task: a name in llamarl.control.tasks.TASKS (gsm8k, math, arith; each app sets its own)"""
+    name: str | None = None
+    """the task: gsm8k, math or arith (built in; each app sets its own), or reasoning_gym:DATASET (a
+    reasoning-gym generator); with module set, the name of the module's task"""
+    module: str | None = None
+    """a task of your own: 'package.module:NAME' or 'path/to/file.py:NAME', NAME a llamarl Task (or a
+    function returning one); imported and checked before any rank starts"""
     data: str | None = None
     """folder with train.jsonl and test.jsonl (or .jsonl.gz), or a hub dataset id (unset: the task's
     default: its hub dataset, the copy shipped in apps/data when the hub is unreachable, or rows made in
     code)"""
 
-    @field_validator("name")
+    @model_validator(mode="before")
     @classmethod
-    def _known_task(cls, name: str) -> str:
-        from llamarl.control.tasks import TASKS
+    def _known_task(cls, data: Any) -> Any:
+        # The task is resolved here, so a module that does not import or defines no Task is one line
+        # before any rank starts; a module's task gives the run its name.
+        if not isinstance(data, dict):
+            return data
+        from llamarl.control.tasks import load_task
 
-        if name not in TASKS:
-            raise ValueError(f"unknown task {name!r}; known: {', '.join(TASKS)}")
-        return name
+        task = load_task(data.get("name"), data.get("module"))
+        return {**data, "name": task.name} if data.get("module") else data
 
 
 class ScheduleConfig(ConfigSection):

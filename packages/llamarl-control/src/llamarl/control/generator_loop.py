@@ -20,13 +20,12 @@ import time
 from collections.abc import Callable
 from typing import TextIO
 
-import torch
-
 from llamarl.comm import WeightSyncError
 from llamarl.control.channels.rollouts import GENERATOR_TOTALS, concat_rollouts
 from llamarl.control.channels.stream import RolloutOutbox, StreamControl
 from llamarl.control.config import ScheduleConfig
 from llamarl.control.prompts import PromptSource, PromptStream
+from llamarl.control.sampler import EpisodeSetup, TaskSampler
 from llamarl.control.timeline import Timeline
 from llamarl.exec import EngineError, EngineLost
 from llamarl.exec.config import SamplingConfig
@@ -40,9 +39,10 @@ class StreamStopped(Exception):
 class GeneratorLoop:
     """Receive weights -> generate and score -> hand over a batch, on one generator rank.
 
-    `prompts` says which examples to sample (this generator's share of each step, `prompts.share` per
+    `prompts` says which rows to sample (this generator's share of each step, `prompts.share` per
     request), `source` turns them into token ids and back; `sampling` and `schedule` are the run's
-    sections. Weights arrive through the generator itself (`Generator.receive_weights`), waiting at most
+    sections; `episodes` makes each sample a multi-turn episode (`llamarl.control.sampler`). Weights
+    arrive through the generator itself (`Generator.receive_weights`), waiting at most
     `weights_timeout_s` for the trainer to start a sync.
     """
 
@@ -50,7 +50,7 @@ class GeneratorLoop:
         self,
         *,
         generator: Generator,
-        rewarder: Rewarder,
+        rewarder: Rewarder | None,
         prompts: PromptStream,
         source: PromptSource,
         sampling: SamplingConfig,
@@ -60,6 +60,7 @@ class GeneratorLoop:
         sample_log: TextIO | None = None,
         before_request: Callable[[int], None] | None = None,
         replace_engines: bool = False,
+        episodes: EpisodeSetup | None = None,
     ) -> None:
         self.generator = generator
         self.rewarder = rewarder
@@ -72,6 +73,14 @@ class GeneratorLoop:
         self.sample_log = sample_log
         self.before_request = before_request  # stream mode: called with each request's number (faults)
         self.replace_engines = replace_engines  # stream mode: restart a dead engine instead of failing
+        self.sampler = TaskSampler(
+            generator=generator,
+            rewarder=rewarder,
+            source=source,
+            sampling=sampling,
+            episodes=episodes,
+            phase=lambda name: self.timeline.phase(name, self.tick),
+        )
         self.totals = dict.fromkeys(GENERATOR_TOTALS, 0.0)
         self._born = time.perf_counter()
         self.tick = -1  # the tick (lock step) or request number (stream) being worked on
@@ -133,21 +142,13 @@ class GeneratorLoop:
         """
         G = self.sampling.samples_per_prompt
         start = time.perf_counter()
-        extra = {"between_steps": between_steps} if between_steps is not None else {}
-        with self.timeline.phase("generate", self.tick):
-            batch = self.generator.generate(
-                [self.source.encode(i) for i in indices],
-                samples_per_prompt=G,
-                max_new_tokens=self.sampling.max_new_tokens,
-                **extra,
-            )
-        generate_s = time.perf_counter() - start
-        texts = self.source.decode(batch)
-        references = [self.source.reference(i) for i in indices for _ in range(G)]
-        start = time.perf_counter()
-        with self.timeline.phase("score", self.tick):
-            batch.rewards_B = torch.tensor(self.rewarder.score(texts, references), dtype=torch.float32)
-        score_s = time.perf_counter() - start
+        failures_before = self.rewarder.num_failures if self.rewarder is not None else 0
+        sampled = self.sampler.sample(indices, samples_per_prompt=G, between_steps=between_steps)
+        batch, texts, score_s = sampled.batch, sampled.texts, sampled.score_s
+        generate_s = time.perf_counter() - start - score_s
+        if self.rewarder is not None:
+            self.totals["reward_failures_total"] += self.rewarder.num_failures - failures_before
+        self.totals["episodes_dropped_total"] += sampled.episodes_dropped
         self._log_samples(batch, indices, texts)
         self.totals["generate_s_total"] += generate_s
         self.totals["busy_s_total"] += generate_s + score_s
@@ -157,6 +158,7 @@ class GeneratorLoop:
             "score_s": score_s,
             "num_completion_tokens": float(batch.num_completion_tokens),
             "reward_mean": float(batch.rewards_B.mean()),
+            "turns_mean": sampled.turns_mean,
         }
         if not self.schedule.dynamic_sampling:
             return batch, [], metrics

@@ -1,7 +1,8 @@
 """The generator side of a run: ranks N..N+G-1, each with a `Generator` (transformers in the rank, or a
 vLLM engine in a child process), a rule `Rewarder` in worker processes, and a `GeneratorLoop`.
 
-Each generator samples its share of every step's prompts, scores its own completions, logs every sample
+Each generator samples its share of every step's prompts (single-turn completions, or multi-turn episodes
+for a task with tools or an environment), scores its own samples, logs every sample
 (with the policy version that sampled it) to OUTPUT_DIR/samples.rank{r}.jsonl, and answers its share of
 the held-out questions in evaluations. Weights arrive straight from the trainer ranks
 (`Generator.receive_weights`: this rank's model, or its engine, joined the weight channel).
@@ -22,6 +23,7 @@ from llamarl.control.channels.weights import FIRST_TRAINER_RANK, WeightChannelAd
 from llamarl.control.devices import generation_dtype
 from llamarl.control.generator_loop import GeneratorLoop
 from llamarl.control.prompts import PromptStream, TaskPrompts
+from llamarl.control.sampler import EpisodeSetup, TaskSampler
 from llamarl.control.schedule import Tick
 from llamarl.control.side import Side
 from llamarl.exec import HFGenerator, ProcessRewarder, VLLMGenerator
@@ -47,12 +49,33 @@ class GeneratorSide(Side):
         self.generator = self._build_generator()
         self.generator.setup()
         # One worker by default: answer checking is cheap next to generation, and the cores belong to
-        # the model.
-        self.rewarder = ProcessRewarder(self.task.reward_fn, self.config.reward)
-        self.rewarder.setup()
+        # the model. A task scored only by its environment has no reward functions to run.
+        if self.task.reward_functions:
+            self.rewarder = ProcessRewarder(self.task.reward_functions, self.config.reward)
+            self.rewarder.setup()
         self.train_prompts = TaskPrompts(self.task, self.train_examples, self.tokenizer)
         self.eval_prompts = TaskPrompts(self.task, self.eval_examples, self.tokenizer)
+        self.episodes = self._episode_setup()
+        self.eval_sampler = TaskSampler(
+            generator=self.generator,
+            rewarder=self.rewarder,
+            source=self.eval_prompts,
+            sampling=self.config.sampling,
+            episodes=self.episodes,
+        )
         self._pending: tuple[RolloutBatch, dict[str, float]] | None = None  # made, not yet sent
+
+    def _episode_setup(self) -> EpisodeSetup | None:
+        """What multi-turn sampling needs, for a task with tools or an environment (else None)."""
+        if not self.task.multi_turn:
+            return None
+        from llamarl.exec.episodes import ChatGlue
+
+        return EpisodeSetup(
+            new_environment=self.task.new_environment,
+            tokenizer=self.tokenizer,
+            glue=ChatGlue(self.tokenizer, tools=self.train_prompts.glue_tools()),
+        )
 
     def _build_generator(self) -> Generator:
         cfg = self.config
@@ -100,6 +123,7 @@ class GeneratorSide(Side):
                 n, "request", engine_pid=lambda: self.generator.engine_pid
             ),
             replace_engines=cfg.replaces_engines,
+            episodes=self.episodes,
         )
 
     def restore(self, resume: ckpt.Resume) -> None:
@@ -194,15 +218,9 @@ class GeneratorSide(Side):
             torch.set_num_threads(threads)
 
     def _score_questions(self, indices: list[int], *, samples: int, greedy: bool) -> list[float]:
-        """The mean reward of `samples` completions of each held-out question."""
-        batch = self.generator.generate(
-            [self.eval_prompts.encode(i) for i in indices],
-            samples_per_prompt=samples,
-            max_new_tokens=self.config.sampling.max_new_tokens,
-            greedy=greedy,
-        )
-        references = [self.eval_prompts.reference(i) for i in indices for _ in range(samples)]
-        scores = self.rewarder.score(self.eval_prompts.decode(batch), references)
+        """The mean reward of `samples` completions (or episodes) of each held-out question."""
+        batch = self.eval_sampler.sample(indices, samples_per_prompt=samples, greedy=greedy).batch
+        scores = batch.rewards_B.tolist()
         return [sum(scores[q * samples : (q + 1) * samples]) / samples for q in range(len(indices))]
 
     def close(self) -> None:

@@ -31,7 +31,7 @@ from llamarl.control.cli import RESOLVED_CONFIG, write_config
 from llamarl.control.config import RunConfig, replace_in
 from llamarl.control.faults import ERRORS_DIR
 from llamarl.control.spmd import run_rank
-from llamarl.control.tasks import Example
+from llamarl.control.tasks import Task, load_task, register_task
 
 EXIT_GRACE_S = 2.0  # how long a failed rank waits before exiting, see _rank_main
 
@@ -44,11 +44,15 @@ class RunFailed(RuntimeError):
         self.rank = rank
 
 
-def launch(config: RunConfig, train_examples: list[Example], eval_examples: list[Example]) -> dict[str, Any]:
+def launch(
+    config: RunConfig, train_rows: list[dict], eval_rows: list[dict], task: Task | None = None
+) -> dict[str, Any]:
     """Runs the job on `config.world_size` ranks and returns the trainer's summary.
 
-    Writes the resolved config to OUTPUT_DIR/config.toml first: `--config` reruns it.
+    `task`: the task object when it was given in code (`llamarl.control.train`); by default the one
+    `config.task` names. Writes the resolved config to OUTPUT_DIR/config.toml first: `--config` reruns it.
     """
+    task = task if task is not None else load_task(config.task.name, config.task.module)
     output_dir = config.output_dir
     output_dir.mkdir(parents=True, exist_ok=True)
     write_config(config, output_dir / RESOLVED_CONFIG)
@@ -76,7 +80,7 @@ def launch(config: RunConfig, train_examples: list[Example], eval_examples: list
     start = time.perf_counter()
     try:
         results = elastic_launch(launch_config, _rank_main)(
-            config, train_examples, eval_examples, str(errors_dir)
+            config, task, train_rows, eval_rows, str(errors_dir)
         )
     except ChildFailedError as e:
         raise _first_failure(errors_dir, e) from None
@@ -91,17 +95,18 @@ def launch(config: RunConfig, train_examples: list[Example], eval_examples: list
 
 
 def _rank_main(
-    config: RunConfig, train_examples: list[Example], eval_examples: list[Example], errors_dir: str
+    config: RunConfig, task: Task, train_rows: list[dict], eval_rows: list[dict], errors_dir: str
 ) -> dict[str, Any] | None:
     """The body of every rank. On error it records its traceback and exits non-zero without printing."""
     try:
+        register_task(task)  # a task given in code is known by its name here too
         if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
             # torch elastic restarted the ranks after a failure: continue from the latest checkpoint.
             config = replace_in(config, **{"checkpoint.resume": True})
         torch.set_num_threads(config.ranks.threads_per_rank or _default_threads(config))
         _quiet_libraries()
         _init_default_group(config.launch.timeout_s)
-        summary = run_rank(config, train_examples, eval_examples)  # closes its side, also on failure
+        summary = run_rank(config, train_rows, eval_rows)  # closes its side, also on failure
         dist.destroy_process_group()
         return summary
     except BaseException as e:

@@ -1,15 +1,16 @@
 """Prompts: which dataset rows a generator samples, in which order, and how a row becomes token ids.
 
 - `PromptStream`: one generator's share of every step's prompts, in the run's shuffled order.
-- `PromptSource`: what a generator loop needs of the examples (token ids, reference, question, decoded
-  completions); `TaskPrompts` is the real one, through the model's chat template.
+- `PromptSource`: what a generator loop needs of the rows (token ids, chat messages, the row, decoded
+  completions); `TaskPrompts` is the real one, through the model's chat template (with the task's
+  tools, in the template's tool format, for a multi-turn task).
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
-from llamarl.control.tasks import Example, Task
+from llamarl.control.tasks import Task
 from llamarl.exec.types import RolloutBatch
 
 
@@ -40,18 +41,22 @@ class PromptStream:
 
 
 class PromptSource(Protocol):
-    """The examples of one split as a generator sees them, by dataset index."""
+    """The rows of one split as a generator sees them, by dataset index."""
 
     def encode(self, index: int) -> list[int]:
-        """Token ids of example `index`'s prompt (chat template applied), no padding."""
+        """Token ids of row `index`'s prompt (chat template applied), no padding."""
         ...
 
-    def reference(self, index: int) -> str:
-        """The reference answer the reward checks against."""
+    def messages(self, index: int) -> list[dict[str, Any]]:
+        """The chat messages of row `index`'s prompt (what reward functions get as `prompt`)."""
+        ...
+
+    def row(self, index: int) -> dict:
+        """The dataset row (what reward functions get as `row`)."""
         ...
 
     def question(self, index: int) -> str:
-        """The question as text (for the samples log)."""
+        """The prompt as text (for the samples log)."""
         ...
 
     def decode(self, batch: RolloutBatch) -> list[str]:
@@ -69,28 +74,55 @@ def load_tokenizer(model: str):
 
 
 class TaskPrompts:
-    """A task's examples through a model's chat template; implements `PromptSource` (encodings cached)."""
+    """A task's rows through a model's chat template; implements `PromptSource` (encodings cached).
 
-    def __init__(self, task: Task, examples: list[Example], tokenizer) -> None:
+    For a task with tools, the tools' schemas go to the template (`tools=`); a template that ignores
+    them gets them described in the system message, in the Hermes `<tool_call>` format that
+    `llamarl.exec.tools.parse_tool_calls` reads back.
+    """
+
+    def __init__(self, task: Task, rows: list[dict], tokenizer) -> None:
         self.task = task
-        self.examples = examples
+        self.rows = rows
         self.tokenizer = tokenizer
         self._ids: dict[int, list[int]] = {}
+        self.tool_schemas: list[dict] | None = None
+        self._describe_tools = False
+        if task.tools:
+            from llamarl.exec.tools import as_tool, template_renders_tools
+
+            self.tool_schemas = [as_tool(t).schema() for t in task.tools]
+            self._describe_tools = not template_renders_tools(tokenizer)
+
+    def messages(self, index: int) -> list[dict[str, Any]]:
+        return self.task.messages(self.rows[index])
 
     def encode(self, index: int) -> list[int]:
         if index not in self._ids:
+            messages = self.messages(index)
+            extra: dict[str, Any] = {}
+            if self.tool_schemas and self._describe_tools:
+                from llamarl.exec.tools import with_tool_instructions
+
+                messages = with_tool_instructions(messages, self.tool_schemas)
+            elif self.tool_schemas:
+                extra["tools"] = self.tool_schemas
             ids = self.tokenizer.apply_chat_template(
-                self.task.messages(self.examples[index]), add_generation_prompt=True, tokenize=True
+                messages, add_generation_prompt=True, tokenize=True, **extra
             )
             # Newer transformers return a BatchEncoding here; older ones a plain list.
             self._ids[index] = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         return self._ids[index]
 
-    def reference(self, index: int) -> str:
-        return self.examples[index].reference
+    def row(self, index: int) -> dict:
+        return self.rows[index]
 
     def question(self, index: int) -> str:
-        return self.examples[index].question
+        return str(self.messages(index)[-1].get("content", ""))
+
+    def glue_tools(self) -> list[dict] | None:
+        """The tools as the chat template gets them when it renders the environment's replies."""
+        return self.tool_schemas if not self._describe_tools else None
 
     def decode(self, batch: RolloutBatch) -> list[str]:
         ids = [

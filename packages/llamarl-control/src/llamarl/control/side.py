@@ -35,7 +35,7 @@ from llamarl.control.evaluation import EvalResult
 from llamarl.control.faults import FaultInjector
 from llamarl.control.prompts import load_tokenizer
 from llamarl.control.schedule import Phase, Tick, lockstep_ticks
-from llamarl.control.tasks import TASKS, Example
+from llamarl.control.tasks import load_task
 from llamarl.control.timeline import Timeline, write_chrome_trace
 
 
@@ -47,10 +47,10 @@ class Side:
     """
 
     def __init__(
-        self, config: RunConfig, train_examples: list[Example], eval_examples: list[Example], *, rank: int
+        self, config: RunConfig, train_examples: list[dict], eval_examples: list[dict], *, rank: int
     ) -> None:
         self.config = config
-        self.task = TASKS[config.task.name]
+        self.task = load_task(config.task.name, config.task.module)
         self.train_examples = train_examples
         self.eval_examples = eval_examples[: config.eval.size]
         self.rank = rank

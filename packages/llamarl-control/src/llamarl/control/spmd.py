@@ -18,17 +18,14 @@ import torch.distributed as dist
 from llamarl.control.config import RunConfig
 from llamarl.control.generator_side import GeneratorSide
 from llamarl.control.side import Side
-from llamarl.control.tasks import Example
 from llamarl.control.trainer_side import TrainerSide
 
 
-def run_rank(
-    config: RunConfig, train_examples: list[Example], eval_examples: list[Example]
-) -> dict[str, Any] | None:
+def run_rank(config: RunConfig, train_rows: list[dict], eval_rows: list[dict]) -> dict[str, Any] | None:
     """Runs this rank's side of the job; returns the summary on the first trainer rank, None elsewhere."""
     rank = dist.get_rank()
     kind = TrainerSide if rank < config.ranks.num_trainers else GeneratorSide
-    side: Side = kind(config, train_examples, eval_examples, rank=rank)
+    side: Side = kind(config, train_rows, eval_rows, rank=rank)
     try:
         side.setup()
         return side.run()

@@ -1,138 +1,351 @@
-"""Math tasks: load question/answer rows from local JSONL files or the hub, and turn them into prompts.
+"""Tasks: what a run learns. A task is rows + a prompt + reward functions (and, for multi-turn tasks,
+tools or an environment); the built-in GSM8K, MATH and arithmetic tasks are tasks like any user's.
 
-A `Task` knows its dataset schema (which field is the question, how to read the reference answer), the
-instruction appended to each question, and the name of the reward function the rewarder runs. Rows are
-validated when loaded, so a malformed file fails before any process is started.
+    from llamarl.control import Task
+
+    def correct(prompt, completion, row):              # a plain Python reward function
+        return float(row["answer"] in completion)
+
+    TASK = Task(
+        name="capitals",
+        rows={"train": [...], "test": [...]},        # or a folder of JSONL files, Hub("id"), or a function
+        prompt="What is the capital of {country}?",  # or a function row -> text or chat messages
+        rewards=[correct, (brief, 0.1)],             # weighted; batched and async functions too
+    )
+
+Rows come from a local folder (`train.jsonl` / `test.jsonl`, or `.jsonl.gz`), a hub dataset (`Hub`),
+a function of the split name, or lists given in code. Each row is a dict; `fields` names the ones every
+row must have and `prepare` may check, normalise or skip a row, so a malformed file fails when it is
+loaded, naming the file and line, before any process starts. The prompt is rendered through the model's
+chat template. Rewards run in worker processes (`llamarl.exec.reward_pool`), so reward functions must
+be module-level (importable by name in a fresh process): a lambda is refused when the task is checked.
+
+A run names its task by `task.name` (a built-in, or `reasoning_gym:DATASET`) or `task.module`
+(`package.module:NAME` or `path/to/file.py:NAME`, a Task of the user's own); `load_task` resolves either,
+with a one-line `TaskError` for a module that does not import or does not define a Task.
 """
 
 from __future__ import annotations
 
 import gzip
+import importlib
 import json
 import logging
 import os
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+import pickle
+import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from llamarl.control.arithmetic import arithmetic_rows
-from llamarl.exec.rewards import last_boxed
+from llamarl.exec.rewards import Reward, as_rewards, gsm8k_answer, last_boxed, math_answer
+
+if TYPE_CHECKING:
+    from llamarl.exec.environments import Environment
+    from llamarl.exec.tools import Tool
 
 logger = logging.getLogger(__name__)
+
+SPLITS = ("train", "test")
 
 
 class DataError(ValueError):
     """A dataset that cannot be used as given; the message says what to fix."""
 
 
-@dataclass(frozen=True, kw_only=True)
-class Example:
-    """One problem: the question shown to the model and the reference its answer is checked against."""
+class TaskError(ValueError):
+    """A task that cannot run as given (a module that does not import, a reward that cannot reach the
+    reward workers, ...); the message says what to fix, in one line."""
 
-    question: str
-    reference: str
+
+@dataclass(frozen=True)
+class Hub:
+    """Rows of a dataset on the Hugging Face hub (read with `datasets`)."""
+
+    id: str
+    config: str | None = None
+
+
+Rows = str | Hub | Callable[[str], Iterable[dict]] | Mapping[str, Sequence[dict]]
+"""Where a task's rows come from: a local folder (or hub id) as a string, a `Hub`, a function of the
+split ("train" or "test") returning rows, or `{"train": [...], "test": [...]}`."""
+
+Prompt = str | Callable[[dict], str | list[dict[str, Any]]]
+"""A format string filled from the row (`"{question}"`), or a function of the row returning the user's
+text or the whole list of chat messages."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class Task:
-    """A dataset schema plus the prompt and reward conventions of one math benchmark."""
+    """Rows, a prompt and weighted reward functions; with `tools` or `environment`, a multi-turn task.
 
-    name: str  # short name: the app's and the run configuration's name for the task
-    reward_fn: str  # name of the answer checker in llamarl.exec.rewards
-    hub_id: str | None  # default dataset on the hub; None for a synthetic task
-    hub_config: str | None  # dataset config name on the hub, if any
-    question_field: str  # field holding the problem statement
-    reference_fields: tuple[str, ...]  # fields tried in order for the reference answer
-    instruction: str  # appended to each question: tells the model how to format its final answer
-    synthesize: Callable[[str], list[dict]] | None = None  # rows of a split, for a task made in code
+    Attributes:
+        name: short name (output folder, logs, checkpoints).
+        rows: where the rows come from (see `Rows`); None: `task.data` must say.
+        prompt: how a row becomes the user's message (see `Prompt`).
+        rewards: reward functions `(prompt, completion, row) -> float`, each a function (weight 1), a
+            `(function, weight)` pair or an `llamarl.exec.Reward` (batched, named); the task's reward is
+            their weighted sum. In a multi-turn task they score the model's last turn, unless the
+            environment finishes with a reward of its own.
+        system: a system message put before the prompt (None: the template's default, if any).
+        fields: fields every row must have (a row without one is an error naming its file and line).
+        prepare: `row -> row or None`: checks and normalises a row (raise `DataError` for a row outside
+            the schema; return None to skip an unusable row, counted in one warning).
+        tools: tools the model may call (`llamarl.exec.tools`); makes the task multi-turn: after each
+            model turn with tool calls the results come back as tool messages, a turn without one ends
+            the episode and the rewards score it.
+        environment: a factory (a class, or a module-level function) of `llamarl.exec.environments.
+            Environment`: one new environment per episode, which replies to each model turn or finishes.
+    """
 
-    def example_from_row(self, row: dict, *, where: str) -> Example | None:
-        """Validates one dataset row and returns it as an Example; `where` names the row in errors.
+    name: str
+    rows: Rows | None = None
+    prompt: Prompt = "{question}"
+    rewards: Sequence[Any] = ()
+    system: str | None = None
+    fields: tuple[str, ...] = ()
+    prepare: Callable[[dict], dict | None] | None = None
+    tools: Sequence[Tool] = ()
+    environment: Callable[[], Environment] | None = None
+    _rewards: tuple[Reward, ...] = field(init=False, repr=False, compare=False)
 
-        A row outside the schema (not an object, no question, none of the reference fields) raises
-        DataError. A row in the schema whose reference holds no usable answer (an empty `answer`, an
-        empty `\\boxed{}`, a GSM8K answer without `####`: real datasets have a few) returns None, and
-        the loader skips it.
-        """
+    def __post_init__(self) -> None:
+        if not self.name or not isinstance(self.name, str):
+            raise TaskError("a task needs a name")
+        object.__setattr__(self, "_rewards", as_rewards(self.rewards))
+        object.__setattr__(self, "tools", tuple(self.tools))
+        if not self._rewards and self.environment is None:
+            raise TaskError(f"task {self.name!r} has no reward functions and no environment to score it")
+
+    @property
+    def reward_functions(self) -> tuple[Reward, ...]:
+        """The rewards, normalised to `Reward`s."""
+        return self._rewards
+
+    @property
+    def multi_turn(self) -> bool:
+        """Whether an episode can take several model turns (the task has tools or an environment)."""
+        return bool(self.tools) or self.environment is not None
+
+    def new_environment(self) -> Environment:
+        """A fresh environment for one episode: the task's own, or one that runs its tools."""
+        if self.environment is not None:
+            return self.environment()
+        from llamarl.exec.environments import ToolEnvironment
+
+        return ToolEnvironment(self.tools)
+
+    def messages(self, row: dict) -> list[dict[str, Any]]:
+        """The chat messages of a row's prompt (before the chat template)."""
+        if isinstance(self.prompt, str):
+            try:
+                content: Any = self.prompt.format_map(row)
+            except (KeyError, IndexError, ValueError) as e:
+                raise DataError(
+                    f"task {self.name!r}: the prompt {self.prompt!r} cannot be filled ({e!r})"
+                ) from None
+        else:
+            content = self.prompt(row)
+        messages = content if isinstance(content, list) else [{"role": "user", "content": str(content)}]
+        if self.system is not None and not (messages and messages[0].get("role") == "system"):
+            messages = [{"role": "system", "content": self.system}, *messages]
+        return messages
+
+    def check_row(self, row: Any, *, where: str) -> dict | None:
+        """The row, checked and prepared, or None when `prepare` skips it; DataError (naming `where`) for
+        a row outside the schema."""
         if not isinstance(row, dict):
             raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
-        question = row.get(self.question_field)
-        if not isinstance(question, str) or not question.strip():
-            raise DataError(f"{where}: missing or empty field '{self.question_field}'")
-        present = [field for field in self.reference_fields if isinstance(row.get(field), str)]
-        if not present:
-            expected = ", ".join(self.reference_fields)
-            raise DataError(f"{where}: no reference answer (expected one of the fields {expected})")
-        for field in present:
-            reference = self._reference_from(field, row[field])
-            if reference:
-                return Example(question=question.strip(), reference=reference)
-        return None
+        for name in self.fields:
+            value = row.get(name)
+            if value is None or (isinstance(value, str) and not value.strip()):
+                raise DataError(f"{where}: missing or empty field '{name}'")
+        if self.prepare is None:
+            return row
+        try:
+            return self.prepare(row)
+        except DataError as e:
+            raise DataError(f"{where}: {e}") from None
 
-    def _reference_from(self, field: str, value: str) -> str | None:
-        if not value.strip():
-            return None
-        if field == "solution":  # MATH rows without an `answer` column: the last \boxed{} of the solution
-            return last_boxed(value)
-        if self.reward_fn == "gsm8k" and "####" not in value:
-            return None
-        return value.strip()
+    def check(self) -> None:
+        """Raises TaskError (one line) when the task cannot be sent to the ranks and reward workers."""
+        parts: list[tuple[str, Any]] = [("prompt", self.prompt), ("prepare", self.prepare)]
+        parts += [(f"rewards[{i}] ({r.name})", r.fn) for i, r in enumerate(self._rewards)]
+        parts += [(f"tools[{i}]", t) for i, t in enumerate(self.tools)]
+        parts += [("environment", self.environment)]
+        for what, part in parts:
+            if part is None:
+                continue
+            try:
+                pickle.dumps(part)
+            except Exception as e:
+                raise TaskError(
+                    f"task {self.name!r}: {what} cannot be sent to worker processes ({type(e).__name__}); "
+                    "define it at module level (not a lambda or a nested function)"
+                ) from None
 
-    def messages(self, example: Example) -> list[dict[str, str]]:
-        """The chat messages of one prompt."""
-        return [{"role": "user", "content": f"{example.question}\n\n{self.instruction}"}]
+
+# -- the built-in tasks, users of the same API ----------------------------------------------------
+
+
+def _gsm8k_row(row: dict) -> dict | None:
+    answer = row.get("answer")
+    if not isinstance(answer, str):
+        raise DataError("no reference answer (expected one of the fields answer)")
+    return row if "####" in answer else None  # a worked answer without its final number: unusable
+
+
+def _math_row(row: dict) -> dict | None:
+    """MATH rows: the `answer` column, else the last \\boxed{} of the solution."""
+    present = [name for name in ("answer", "solution") if isinstance(row.get(name), str)]
+    if not present:
+        raise DataError("no reference answer (expected one of the fields answer, solution)")
+    for name in present:
+        value = row[name].strip()
+        reference = (last_boxed(value) if name == "solution" else value) if value else None
+        if reference:
+            return {**row, "answer": reference}
+    return None
 
 
 GSM8K = Task(
     name="gsm8k",
-    reward_fn="gsm8k",
-    hub_id="openai/gsm8k",
-    hub_config="main",
-    question_field="question",
-    reference_fields=("answer",),
-    instruction=(
-        "Solve the problem step by step, then give the final number on its own line as '#### <number>'."
-    ),
+    rows=Hub("openai/gsm8k", config="main"),
+    prompt="{question}\n\nSolve the problem step by step, then give the final number on its own line as "
+    "'#### <number>'.",
+    fields=("question",),
+    prepare=_gsm8k_row,
+    rewards=[gsm8k_answer],
 )
 
 MATH = Task(
     name="math",
-    reward_fn="math",
-    hub_id="DigitalLearningGmbH/MATH-lighteval",
-    hub_config=None,
-    question_field="problem",
-    reference_fields=("answer", "solution"),
-    instruction="Solve the problem step by step, then put the final answer in \\boxed{}.",
+    rows=Hub("DigitalLearningGmbH/MATH-lighteval"),
+    prompt="{problem}\n\nSolve the problem step by step, then put the final answer in \\boxed{{}}.",
+    fields=("problem",),
+    prepare=_math_row,
+    rewards=[math_answer],
 )
 
 ARITH = Task(
     name="arith",
-    reward_fn="gsm8k",  # the final number, as for GSM8K
-    hub_id=None,
-    hub_config=None,
-    question_field="question",
-    reference_fields=("answer",),
-    instruction="Give the final number on its own line as '#### <number>'.",
-    synthesize=arithmetic_rows,
+    rows=arithmetic_rows,
+    prompt="{question}\n\nGive the final number on its own line as '#### <number>'.",
+    fields=("question",),
+    prepare=_gsm8k_row,
+    rewards=[gsm8k_answer],  # the final number, as for GSM8K
 )
 
 TASKS = {task.name: task for task in (GSM8K, MATH, ARITH)}
+"""The built-in tasks by name."""
+
+REASONING_GYM_PREFIX = "reasoning_gym:"
+
+_REGISTERED: dict[str, Task] = {}  # tasks given as objects (llamarl.control.train), by name, per process
 
 
-def load_examples(task: Task, data: str | None, split: str) -> list[Example]:
-    """Loads and validates one split.
+def register_task(task: Task) -> None:
+    """Makes `task` known by its name in this process (a task given as an object, not by module)."""
+    task.check()
+    _REGISTERED[task.name] = task
 
-    `data` is a local folder holding `train.jsonl` / `test.jsonl` (or `.jsonl.gz`) in the hub schema, a
-    hub dataset id, or None for the task's default: its hub dataset, or the rows it makes in code.
+
+# -- naming a task: built in, reasoning-gym, or a user's module ------------------------------------
+
+
+def task_by_name(name: str) -> Task:
+    """A registered task, a built-in one, or `reasoning_gym:DATASET` (a reasoning-gym generator);
+    TaskError otherwise."""
+    if name in _REGISTERED:
+        return _REGISTERED[name]
+    if name in TASKS:
+        return TASKS[name]
+    if name.startswith(REASONING_GYM_PREFIX):
+        from llamarl.control.reasoning_gym import reasoning_gym_task
+
+        return reasoning_gym_task(name.removeprefix(REASONING_GYM_PREFIX))
+    raise TaskError(
+        f"unknown task {name!r}; known: {', '.join(TASKS)}, {REASONING_GYM_PREFIX}DATASET, or a task of "
+        "your own with task.module"
+    )
+
+
+def task_from_module(spec: str) -> Task:
+    """The Task that `spec` names: `package.module:NAME` or `path/to/file.py:NAME`, NAME a Task or a
+    function returning one. TaskError (one line) when it does not import or does not define one."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise TaskError(f"task.module {spec!r}: expected 'package.module:NAME' or 'path/to/file.py:NAME'")
+    if module_name.endswith(".py"):
+        path = Path(module_name).expanduser().resolve()
+        if not path.is_file():
+            raise TaskError(f"task.module {spec!r}: no file {path}")
+        # Imported by its name from its folder, so the ranks and reward workers (fresh processes that
+        # inherit sys.path) import it the same way when they unpickle its functions.
+        if str(path.parent) not in sys.path:
+            sys.path.insert(0, str(path.parent))
+        module_name = path.stem
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # the user's module may raise anything while importing
+        raise TaskError(
+            f"task.module {spec!r}: cannot import {module_name!r} ({type(e).__name__}: {e})"
+        ) from None
+    if not hasattr(module, attr):
+        raise TaskError(f"task.module {spec!r}: module {module_name!r} defines no {attr!r}")
+    value = getattr(module, attr)
+    if callable(value) and not isinstance(value, Task):
+        try:
+            value = value()
+        except Exception as e:
+            raise TaskError(f"task.module {spec!r}: {attr}() raised {type(e).__name__}: {e}") from None
+    if not isinstance(value, Task):
+        raise TaskError(f"task.module {spec!r}: {attr} is a {type(value).__name__}, not a llamarl Task")
+    value.check()
+    return value
+
+
+def load_task(name: str | None, module: str | None = None) -> Task:
+    """The task a run names (`task.module` wins over `task.name`)."""
+    if module:
+        return task_from_module(module)
+    if not name:
+        raise TaskError("no task: set task.name (a built-in task) or task.module (a task of your own)")
+    return task_by_name(name)
+
+
+# -- loading rows ----------------------------------------------------------------------------------
+
+
+def load_rows(task: Task, data: str | None, split: str) -> list[dict]:
+    """The checked rows of one split ("train" or "test").
+
+    `data` (the run's `task.data`) overrides the task's own rows: a local folder holding `train.jsonl` /
+    `test.jsonl` (or `.jsonl.gz`) in the task's schema, or a hub dataset id.
     """
-    if data is not None and (Path(data).exists() or data.startswith((".", "/", "~"))):
-        return _load_jsonl(task, _split_file(Path(data).expanduser(), split))
-    if data is None and task.synthesize is not None:
-        rows = task.synthesize(split)
-        return _examples(task, ((row, f"{task.name}[{split}][{i}]") for i, row in enumerate(rows)), task.name)
-    if data is None and task.hub_id is None:
-        raise DataError(f"task {task.name!r} has no default dataset; give a folder with --data")
-    return _load_hub(task, data or task.hub_id, split)
+    source: Rows | None = task.rows if data is None else data
+    if source is None:
+        raise DataError(f"task {task.name!r} has no rows of its own; give a folder with --data")
+    if isinstance(source, str):
+        if Path(source).exists() or source.startswith((".", "/", "~")):
+            return _load_jsonl(task, _split_file(Path(source).expanduser(), split))
+        same = isinstance(task.rows, Hub) and task.rows.id == source
+        source = Hub(source, config=task.rows.config if same else None)  # type: ignore[union-attr]
+    if isinstance(source, Hub):
+        return _load_hub(task, source, split)
+    if isinstance(source, Mapping):
+        if split not in source:
+            raise DataError(
+                f"task {task.name!r}: its rows have no {split!r} split (it has {', '.join(source)})"
+            )
+        rows: Iterable[dict] = source[split]
+    elif callable(source):
+        rows = source(split)
+    else:
+        raise DataError(f"task {task.name!r}: rows of type {type(source).__name__} are not a row source")
+    return _checked(task, ((row, f"{task.name}[{split}][{i}]") for i, row in enumerate(rows)), task.name)
 
 
 def hub_unavailable_reason(timeout_s: float = 3.0) -> str | None:
@@ -165,7 +378,7 @@ def _split_file(folder: Path, split: str) -> Path:
     return packed if packed.is_file() and not plain.is_file() else plain
 
 
-def _load_jsonl(task: Task, path: Path) -> list[Example]:
+def _load_jsonl(task: Task, path: Path) -> list[dict]:
     if not path.is_file():
         raise DataError(f"{path}: file not found (--data must be a folder with train.jsonl and test.jsonl)")
     rows = []
@@ -180,34 +393,31 @@ def _load_jsonl(task: Task, path: Path) -> list[Example]:
             except json.JSONDecodeError as e:
                 raise DataError(f"{where}: not valid JSON ({e.msg})") from None
             rows.append((row, where))
-    return _examples(task, rows, str(path))
+    return _checked(task, rows, str(path))
 
 
-def _examples(task: Task, rows: Iterable[tuple[dict, str]], source: str) -> list[Example]:
-    """Validated examples of `rows`; rows without a usable answer are skipped with one warning."""
-    examples, skipped = [], []
+def _checked(task: Task, rows: Iterable[tuple[Any, str]], source: str) -> list[dict]:
+    """The checked rows; rows `prepare` skips are counted in one warning."""
+    kept, skipped = [], []
     for row, where in rows:
-        example = task.example_from_row(row, where=where)
-        if example is None:
+        checked = task.check_row(row, where=where)
+        if checked is None:
             skipped.append(where)
         else:
-            examples.append(example)
-    if not examples:
-        raise DataError(f"{source}: no rows with a usable reference answer")
+            kept.append(checked)
+    if not kept:
+        raise DataError(f"{source}: no usable rows")
     if skipped:
         shown = ", ".join(skipped[:3]) + (", ..." if len(skipped) > 3 else "")
         logger.warning("skipped %d row(s) without a usable reference answer: %s", len(skipped), shown)
-    return examples
+    return kept
 
 
-def _load_hub(task: Task, dataset_id: str, split: str) -> list[Example]:
+def _load_hub(task: Task, hub: Hub, split: str) -> list[dict]:
     import datasets  # imported here: local runs never pay for it
 
-    config = task.hub_config if dataset_id == task.hub_id else None
     try:
-        rows = datasets.load_dataset(dataset_id, config, split=split)
+        rows = datasets.load_dataset(hub.id, hub.config, split=split)
     except Exception as e:  # the hub raises many types; the user needs the id and the reason
-        raise DataError(f"could not load dataset '{dataset_id}' split '{split}': {e}") from None
-    return [
-        task.example_from_row(dict(row), where=f"{dataset_id}[{split}][{i}]") for i, row in enumerate(rows)
-    ]
+        raise DataError(f"could not load dataset '{hub.id}' split '{split}': {e}") from None
+    return _checked(task, ((dict(row), f"{hub.id}[{split}][{i}]") for i, row in enumerate(rows)), hub.id)

@@ -67,6 +67,8 @@ class GeneratorStats:
             "filtered": sum(d["filtered_total"] for d in deltas),
             "generator_idle_frac": sum(idle) / len(idle) if idle else float("nan"),
             "engine_restarts": sum(d["engine_restarts_total"] for d in deltas),
+            "reward_failures": sum(d["reward_failures_total"] for d in deltas),
+            "episodes_dropped": sum(d["episodes_dropped_total"] for d in deltas),
         }
 
 
@@ -170,6 +172,8 @@ class TrainerLoop:
             "sampling/filtered_groups": gen.get("filtered", float("nan")),
             "idle/generator_frac": gen.get("generator_idle_frac", float("nan")),
             "generator/engine_restarts": gen.get("engine_restarts", float("nan")),
+            "sampling/reward_failures": gen.get("reward_failures", float("nan")),
+            "sampling/episodes_dropped": gen.get("episodes_dropped", float("nan")),
             "idle/trainer_frac": 1.0 - train_s / step_s if step_s == step_s and step_s > 0 else float("nan"),
             **staleness_histogram(whole, version, self.max_policy_lag),
             **{f"train/{k}": v for k, v in train_metrics.items()},

@@ -26,8 +26,9 @@ _EXPORTS = {
     "RewardConfig": "config",
     "SamplingConfig": "config",
     "TrainerConfig": "config",
-    "REWARD_FNS": "rewards",
-    "get_reward_fn": "rewards",
+    "Reward": "rewards",
+    "gsm8k_answer": "rewards",
+    "math_answer": "rewards",
     "gsm8k_reward": "rewards",
     "math_reward": "rewards",
     "extract_gsm8k_answer": "rewards",
@@ -38,7 +39,6 @@ _EXPORTS = {
 }
 
 __all__ = [
-    "REWARD_FNS",
     "AlgorithmConfig",
     "EngineError",
     "EngineLost",
@@ -47,6 +47,7 @@ __all__ = [
     "HFGenerator",
     "PolicyTrainer",
     "ProcessRewarder",
+    "Reward",
     "RewardConfig",
     "Rewarder",
     "RolloutBatch",
@@ -56,10 +57,11 @@ __all__ = [
     "VLLMGenerator",
     "WeightsNotSyncedError",
     "extract_gsm8k_answer",
-    "get_reward_fn",
+    "gsm8k_answer",
     "gsm8k_reward",
     "last_boxed",
     "load_model_and_tokenizer",
+    "math_answer",
     "math_reward",
     "smollm2_path",
     "tiny_model",
@@ -77,11 +79,12 @@ if TYPE_CHECKING:
     from llamarl.exec.models import load_model_and_tokenizer, smollm2_path, tiny_model
     from llamarl.exec.reward_pool import ProcessRewarder
     from llamarl.exec.rewards import (
-        REWARD_FNS,
+        Reward,
         extract_gsm8k_answer,
-        get_reward_fn,
+        gsm8k_answer,
         gsm8k_reward,
         last_boxed,
+        math_answer,
         math_reward,
     )
     from llamarl.exec.trainer import PolicyTrainer

@@ -42,6 +42,10 @@ class SamplingConfig(ConfigSection):
     """completion length limit, in training and evaluation"""
     temperature: float = Field(1.0, gt=0)
     """sampling temperature; the behaviour log-probs and the trainer's log-probs use the same one"""
+    max_turns: int = Field(4, ge=1)
+    """multi-turn tasks (tools, environments): model turns per episode at most (max_new_tokens each)"""
+    max_episode_tokens: int = Field(1024, ge=1)
+    """multi-turn tasks: model and environment tokens of an episode's completion at most"""
 
 
 class AlgorithmConfig(ConfigSection):

@@ -162,6 +162,17 @@ class HFGenerator:
     def restart_engine(self) -> None:
         raise NotImplementedError("the hf generator has no engine process to restart")
 
+    def open_turns(self, *, greedy: bool = False, between_steps: Callable[[], None] | None = None):
+        """Model turns of multi-turn episodes: each wait samples the pending turns in one `generate`
+        (in-flight updates through `between_steps` as there)."""
+        from llamarl.exec.episodes import BatchTurnSession
+
+        if self.model is None:
+            raise RuntimeError("HFGenerator.open_turns called before setup()")
+        return BatchTurnSession(
+            self, eos_token_ids=self.eos_token_ids, greedy=greedy, between_steps=between_steps
+        )
+
     # no_grad, not inference_mode: the batch's tensors may go straight into a trainer in the same
     # process, and inference tensors cannot be saved for backward there.
     @torch.no_grad()

@@ -16,6 +16,11 @@ once and their completions after it, each completion attending to the prompt and
 
 So every token is computed as in its own padded row, and no layer spends any work on padding or across
 sequences. The LM head runs only at the K positions that predict a completion token.
+
+A completion may hold tokens the loss skips inside it: a multi-turn episode (`llamarl.exec.episodes`)
+lays the environment's replies between the model's turns with `completion_mask` 0. Such tokens are
+still input (the model saw them when it sampled the next turn), so a completion's tokens are every
+column up to its last masked-in one (`completion_span`); only the loss uses the mask itself.
 """
 
 from __future__ import annotations
@@ -39,6 +44,18 @@ class PackedRow:
     segments: tuple[Segment, ...]  # the row's sequences (or shared-prompt groups), in order (cover T)
 
 
+def completion_span(completion_mask_BC: torch.Tensor) -> torch.Tensor:
+    """int64 [B, C]: 1 on every column up to and including each row's last masked-in token.
+
+    For a completion of sampled tokens only, the mask itself; for a multi-turn episode it also covers
+    the environment's tokens between the model's turns (input to the model, not part of the loss).
+    """
+    mask_BC = completion_mask_BC.long()
+    if mask_BC.numel() == 0:
+        return mask_BC
+    return mask_BC.flip(1).cummax(1).values.flip(1)
+
+
 def repeats_previous_prompt(prompt_ids_BP: torch.Tensor, prompt_mask_BP: torch.Tensor) -> list[bool]:
     """Per sequence: whether its real prompt tokens equal the previous sequence's (False for the first)."""
     if prompt_ids_BP.shape[0] == 0:
@@ -54,13 +71,13 @@ def sequence_lengths(
     *,
     repeats_prompt: list[bool] | None = None,
 ) -> list[int]:
-    """Real tokens per sequence (prompt + completion): what a sequence costs in a packed row. With
+    """Real tokens per sequence (prompt + completion span): what a sequence costs in a packed row. With
     `repeats_prompt` (see `repeats_previous_prompt`), a sequence that shares its predecessor's prompt
     costs its completion only."""
     prompt_B = prompt_mask_BP.sum(1)
     if repeats_prompt is not None:
         prompt_B = prompt_B * ~torch.tensor(repeats_prompt, dtype=torch.bool)
-    return (prompt_B + completion_mask_BC.sum(1)).tolist()
+    return (prompt_B + completion_span(completion_mask_BC).sum(1)).tolist()
 
 
 def token_budget_rows(
@@ -124,13 +141,14 @@ def pack(
 ) -> PackedRow:
     """Packs a micro-batch of left-padded prompts and right-padded completions into one row.
 
-    Completion masks must be right-padded (ones then zeros), as generators produce them: the k-th real
-    completion token of a sequence then sits at column k, so the packed log-probs map back to [M, C]
-    with `completion_mask_MC` (see `unpack`). `share_prompts`: a run of sequences with the same prompt
+    Completions are right-padded: every column up to a row's last masked-in token is laid (its
+    `completion_span`, environment tokens of an episode included), so the k-th laid token of a
+    sequence sits at column k and the packed log-probs map back to [M, C] (see `unpack`); the loss
+    masks the ones that are not the model's. `share_prompts`: a run of sequences with the same prompt
     lays it once (see the module docstring); the log-probs are the same function of the same tokens.
     """
     prompt_mask = prompt_mask_MP.bool()
-    completion_mask = completion_mask_MC.bool()
+    completion_mask = completion_span(completion_mask_MC).bool()
     repeats = repeats_previous_prompt(prompt_ids_MP, prompt_mask_MP) if share_prompts else None
     ids, positions, predict, targets = [], [], [], []
     groups: list[tuple[int, list[int]]] = []  # (prompt length, completion lengths) per segment
@@ -173,6 +191,7 @@ def _segment(prompt: int, completions: list[int]) -> Segment:
 
 
 def unpack(values_1K: torch.Tensor, completion_mask_MC: torch.Tensor) -> torch.Tensor:
-    """Puts per-completion-token values [1, K] back into [M, C] (0 on padding); keeps the gradient."""
+    """Puts per-completion-token values [1, K] back into [M, C] (0 on padding, values on every laid
+    column of `completion_span`, the loss masks the rest); keeps the gradient."""
     out_MC = values_1K.new_zeros(completion_mask_MC.shape)
-    return out_MC.masked_scatter(completion_mask_MC.bool(), values_1K[0])
+    return out_MC.masked_scatter(completion_span(completion_mask_MC).bool(), values_1K[0])

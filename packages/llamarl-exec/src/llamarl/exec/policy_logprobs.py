@@ -19,6 +19,10 @@ rows share only within micro-batches of whole groups and still pad every complet
 while packed rows lay each run of same-prompt sequences as one prompt and its completions, with no
 padding at all (tools/bench_train_step.py compares the layouts).
 
+A completion may hold tokens the loss skips (the environment's replies inside a multi-turn episode):
+they are fed as input like the sampled ones, up to each row's last masked-in token
+(`packing.completion_span`), and only the loss mask returned with the log-probs leaves them out.
+
 With a trainer group (FSDP2) every rank must run the same forward passes: the ranks agree on the number
 of micro-batches and on whether to share prompts.
 """
@@ -111,7 +115,7 @@ class PolicyLogprobs:
             (logprobs_MC', C'): float32 log-probs (0 on padding) over the first C' completion columns.
         """
         device = completion_mask_MC.device
-        length = max(int(completion_mask_MC.sum(1).max()) if completion_mask_MC.numel() else 0, 1)
+        length = max(_span_length(completion_mask_MC), 1)
         completion_mask_MC = completion_mask_MC[:, :length]
         row = packing.pack(
             prompt_ids_MP,
@@ -159,12 +163,14 @@ class PolicyLogprobs:
         device = completion_mask_MC.device
         real_prompt_columns = prompt_mask_MP.any(0).nonzero()
         first_prompt = int(real_prompt_columns[0]) if len(real_prompt_columns) else prompt_mask_MP.shape[1]
-        length = int(completion_mask_MC.sum(1).max()) if completion_mask_MC.numel() else 0
+        length = _span_length(completion_mask_MC)
         length = max(length, 1)  # keep one column so shapes stay valid for an all-empty micro-batch
         prompt_ids_MP = prompt_ids_MP[:, first_prompt:].to(device)
         prompt_mask_MP = prompt_mask_MP[:, first_prompt:].to(device)
         completion_ids_MC = completion_ids_MC[:, :length].to(device)
-        completion_mask_MC = completion_mask_MC[:, :length]
+        # Attention and positions cover every laid token (environment tokens of an episode included);
+        # the loss mask is applied by the caller.
+        completion_mask_MC = packing.completion_span(completion_mask_MC[:, :length])
 
         # Sharing runs two forward passes (one when every completion has a single token), the full path
         # one; under FSDP2 every rank must run the same passes, so all must agree to share.
@@ -268,3 +274,10 @@ class PolicyLogprobs:
             logits_to_keep=length + 1,
         ).logits[:, :-1]
         return logits_MCV
+
+
+def _span_length(completion_mask_MC: torch.Tensor) -> int:
+    """Columns up to the last masked-in token of any row (0 for an empty micro-batch)."""
+    if completion_mask_MC.numel() == 0:
+        return 0
+    return int(packing.completion_span(completion_mask_MC).sum(1).max())

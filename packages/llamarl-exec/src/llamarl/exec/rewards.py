@@ -1,17 +1,37 @@
-"""Answer-checking reward functions: GSM8K (final number) and MATH (math-verify on the last \\boxed{}).
+"""Reward functions: the task-facing form (weighted callables over (prompt, completion, row), plain,
+batched or async) and the answer checkers of the built-in tasks.
 
-Each is a module-level function `(completion, reference) -> float` in {0.0, 1.0}, picklable by reference
-so the spawned workers of `ProcessRewarder` can run it. This module imports nothing heavy at import
-time (math-verify pulls in sympy on first use), so a worker starts quickly.
+A task's reward is a weighted sum of reward functions (`Reward`). Each function is a plain Python
+callable, module-level so that the spawned workers of `ProcessRewarder` can import it by reference:
+
+    def correct(prompt: list[dict], completion: str, row: dict) -> float      # one sample
+    def brief(prompts, completions, rows) -> list[float]                       # batched=True
+    async def judged(prompt, completion, row) -> float                        # awaited concurrently
+
+`prompt` is the chat messages the model was shown, `completion` its answer as text (in a multi-turn
+episode: its last turn), `row` the dataset row. `score_samples` runs them in a worker: a function that
+raises scores 0 for the samples it failed on (the others still count) and the error is reported.
+
+The answer checkers (`gsm8k_reward`, `math_reward`) take `(completion, reference)`; `gsm8k_answer` and
+`math_answer` are their task-facing forms, reading the reference from `row["answer"]`. This module
+imports nothing heavy at import time (math-verify pulls in sympy on first use), so a worker starts
+quickly.
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
+from typing import Any
 
-RewardFn = Callable[[str, str], float]
+Messages = list[dict[str, Any]]
+RewardFn = Callable[..., Any]
+"""`(prompt, completion, row) -> float`, or with `batched`: `(prompts, completions, rows) -> list[float]`;
+either may be `async def`."""
 
 # A number as written in GSM8K answers and model outputs: optional sign, digits with thousands commas,
 # an optional decimal part ("1,234.50", "-3", ".5").
@@ -102,13 +122,105 @@ def math_reward(completion: str, reference: str) -> float:
     return 1.0 if verify(gold, predicted) else 0.0
 
 
-REWARD_FNS: dict[str, RewardFn] = {"gsm8k": gsm8k_reward, "math": math_reward}
-"""Reward functions by task name (the names of `llamarl.control.tasks.TASKS`)."""
+def gsm8k_answer(prompt: Messages, completion: str, row: dict) -> float:
+    """The GSM8K checker as a task reward: the final number against `row["answer"]`."""
+    return gsm8k_reward(completion, row["answer"])
 
 
-def get_reward_fn(name: str) -> RewardFn:
-    """The reward function registered as `name`; ValueError listing the valid names otherwise."""
-    try:
-        return REWARD_FNS[name]
-    except KeyError:
-        raise ValueError(f"unknown reward function {name!r}; valid names: {', '.join(REWARD_FNS)}") from None
+def math_answer(prompt: Messages, completion: str, row: dict) -> float:
+    """The MATH checker as a task reward: the last `\\boxed{}` against `row["answer"]` (math-verify)."""
+    return math_reward(completion, row["answer"])
+
+
+@dataclass(frozen=True)
+class Reward:
+    """One reward function of a task and its weight in the task's reward (a weighted sum).
+
+    `batched`: `fn` takes lists (prompts, completions, rows) and returns one score per sample.
+    `name`: what logs and errors call it (default: the function's name).
+    """
+
+    fn: RewardFn
+    weight: float = 1.0
+    batched: bool = False
+    name: str = field(default="")
+
+    def __post_init__(self) -> None:
+        if not callable(self.fn):
+            raise TypeError(f"a reward function must be callable, got {type(self.fn).__name__}")
+        if not self.name:
+            object.__setattr__(self, "name", getattr(self.fn, "__name__", type(self.fn).__name__))
+
+    @property
+    def is_async(self) -> bool:
+        # A callable object's coroutine __call__ counts too.
+        call = type(self.fn).__call__ if not inspect.isroutine(self.fn) else None
+        return inspect.iscoroutinefunction(self.fn) or inspect.iscoroutinefunction(call)
+
+
+def as_rewards(items: Sequence[RewardFn | tuple[RewardFn, float] | Reward]) -> tuple[Reward, ...]:
+    """Normalises a task's `rewards`: a function (weight 1), a `(function, weight)` pair or a `Reward`."""
+    rewards = []
+    for item in items:
+        if isinstance(item, Reward):
+            rewards.append(item)
+        elif isinstance(item, tuple) and len(item) == 2:
+            rewards.append(Reward(item[0], weight=float(item[1])))
+        else:
+            rewards.append(Reward(item))
+    return tuple(rewards)
+
+
+def score_samples(
+    rewards: Sequence[Reward], prompts: list[Messages], completions: list[str], rows: list[dict]
+) -> tuple[list[float], list[str | None]]:
+    """The weighted reward of each sample, and per sample the first error (None when every function ran).
+
+    A function that raises (or returns something that is not a number) scores 0 on the samples it
+    failed on; the other functions still count. Async functions of all samples run concurrently.
+    """
+    num = len(completions)
+    totals = [0.0] * num
+    errors: list[str | None] = [None] * num
+
+    def failed(i: int, reward: Reward, error: BaseException | str) -> None:
+        text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        errors[i] = errors[i] or f"reward {reward.name!r}: {text}"
+
+    for reward in rewards:
+        if reward.batched:
+            try:
+                values = _resolve(reward.fn(prompts, completions, rows))
+                if len(values) != num:
+                    raise ValueError(f"returned {len(values)} scores for {num} samples")
+                results: list[Any] = list(values)
+            except Exception as e:  # a bug in a reward function costs its score, not the run
+                results = [e] * num
+        elif reward.is_async:
+            results = asyncio.run(_gather(reward.fn, prompts, completions, rows))
+        else:
+            results = []
+            for p, c, r in zip(prompts, completions, rows, strict=True):
+                try:
+                    results.append(reward.fn(p, c, r))
+                except Exception as e:
+                    results.append(e)
+        for i, value in enumerate(results):
+            if isinstance(value, BaseException):
+                failed(i, reward, value)
+                continue
+            try:
+                totals[i] += reward.weight * float(value)
+            except (TypeError, ValueError):
+                failed(i, reward, f"returned {value!r}, not a number")
+    return totals, errors
+
+
+def _resolve(value: Any) -> Any:
+    return asyncio.run(value) if inspect.isawaitable(value) else value
+
+
+async def _gather(fn: RewardFn, prompts: list, completions: list[str], rows: list[dict]) -> list[Any]:
+    return await asyncio.gather(
+        *(fn(p, c, r) for p, c, r in zip(prompts, completions, rows, strict=True)), return_exceptions=True
+    )

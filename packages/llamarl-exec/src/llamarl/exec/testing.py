@@ -15,20 +15,35 @@ TINY_EOS_TOKEN_ID = 2
 TINY_PAD_TOKEN_ID = 0
 
 
-def slow_reward(completion: str, reference: str) -> float:
+def slow_reward(prompt: list, completion: str, row: dict) -> float:
     """Sleeps `float(completion)` seconds when the completion starts with "sleep ", then scores 1.0."""
     if completion.startswith("sleep "):
         time.sleep(float(completion.split()[1]))
     return 1.0
 
 
-def failing_reward(completion: str, reference: str) -> float:
-    """Raises on "raise", kills its own process on "die", otherwise scores 1.0."""
+def failing_reward(prompt: list, completion: str, row: dict) -> float:
+    """Raises on "raise", kills its own process on "die", returns text on "text", otherwise scores 1.0."""
     if completion == "raise":
         raise RuntimeError("verifier bug")
     if completion == "die":
         os._exit(3)
+    if completion == "text":
+        return "yes"  # type: ignore[return-value]
     return 1.0
+
+
+def length_reward(prompts: list, completions: list[str], rows: list[dict]) -> list[float]:
+    """Batched: 1 / (1 + characters) of each completion."""
+    return [1.0 / (1 + len(c)) for c in completions]
+
+
+async def async_match_reward(prompt: list, completion: str, row: dict) -> float:
+    """Async: 1.0 when the completion equals `row["answer"]` (after yielding to the event loop)."""
+    import asyncio
+
+    await asyncio.sleep(0.01)
+    return float(completion == row["answer"])
 
 
 def shared_data_dir(start: str | os.PathLike[str]) -> Path:
@@ -115,3 +130,36 @@ def build_trainer(model: str, *, temperature: float = 1.0, total_steps: int = 1,
         total_steps=total_steps,
         **runtime,
     )
+
+
+class FeedbackEnvironment:
+    """A multi-turn test environment: answers every model turn with a user message ("Try again.") and
+    finishes after `row["turns"]` turns (default 3) with reward 1.0; raises on step when `row["broken"]`."""
+
+    def start(self, row: dict) -> None:
+        self.row = row
+        self.turns = 0
+
+    def step(self, turn):
+        from llamarl.exec.environments import Finish, Reply
+
+        if self.row.get("broken"):
+            raise RuntimeError("environment bug")
+        self.turns += 1
+        if self.turns >= self.row.get("turns", 3):
+            return Finish(reward=1.0)
+        return Reply([{"role": "user", "content": f"Try again ({self.turns})."}])
+
+
+def lookup_capital(country: str) -> str:
+    """Looks up the capital of a country.
+
+    Args:
+        country: the country's name in English
+    """
+    if country == "loop":
+        while True:
+            pass
+    if country == "flood":
+        return "x" * 10_000_000
+    return {"France": "Paris", "Japan": "Tokyo"}.get(country, "unknown")

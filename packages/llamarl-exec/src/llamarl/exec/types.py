@@ -76,6 +76,38 @@ class RolloutBatch:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "group_size"}
 
 
+@dataclass(frozen=True)
+class TurnOutput:
+    """One sampled model turn of a multi-turn episode (token-in/token-out: ids exactly as sampled)."""
+
+    key: int  # the key it was submitted under
+    token_ids: list[int]  # the sampled tokens, up to and including the EOS when it ended with one
+    logprobs: list[float]  # behaviour log-prob of each sampled token, log softmax(z / T)
+    versions: list[int]  # the policy_version that sampled each token
+    ended: bool  # whether it ended with an EOS token (else it hit its token limit)
+
+
+class TurnSession(Protocol):
+    """Model turns of many episodes in flight: submit a turn's full token prefix, wait for turns to end.
+
+    Returned by `Generator.open_turns`. The vLLM generator keeps every submitted turn running in its
+    engine and returns each as soon as it ends (an episode's next turn can start while others decode);
+    the HF generator samples the turns pending at each `wait` in one batched generate call.
+    """
+
+    def submit(self, key: int, prompt_ids: list[int], max_new_tokens: int) -> None:
+        """Starts sampling a turn after `prompt_ids` (the episode so far, as token ids)."""
+        ...
+
+    def wait(self) -> list[TurnOutput]:
+        """At least one finished turn while any is pending ([] when none is), in any order."""
+        ...
+
+    def close(self) -> None:
+        """Abandons the turns still running."""
+        ...
+
+
 class Generator(Protocol):
     """Samples completions and holds the policy weights that `policy_version` names.
 
@@ -123,6 +155,13 @@ class Generator(Protocol):
         `between_steps` is called between decoding steps when `supports_in_flight_updates`."""
         ...
 
+    def open_turns(
+        self, *, greedy: bool = False, between_steps: Callable[[], None] | None = None
+    ) -> TurnSession:
+        """A session for the model turns of multi-turn episodes (`llamarl.exec.episodes`); tokens keep
+        their behaviour log-probs and versions, `between_steps` may take new weights in flight."""
+        ...
+
     def restart_engine(self) -> None:
         """Replaces a dead engine process; the weights are not a synced policy until the next receive."""
         ...
@@ -131,11 +170,16 @@ class Generator(Protocol):
 
 
 class Rewarder(Protocol):
-    """Scores completion texts against reference answers, in worker processes with a per-sample timeout."""
+    """Scores samples with a task's reward functions, in worker processes with a per-sample deadline."""
+
+    num_failures: int
+    """Samples scored 0 because a reward function raised, hung past its deadline or killed its worker."""
 
     def setup(self) -> None: ...
 
-    def score(self, completions: list[str], references: list[str]) -> list[float]: ...
+    def score(self, prompts: list[list[dict]], completions: list[str], rows: list[dict]) -> list[float]:
+        """The weighted reward of each (prompt messages, completion text, dataset row), in order."""
+        ...
 
     def close(self) -> None: ...
 

@@ -46,8 +46,8 @@ import torch
 
 from llamarl.exec.config import GeneratorConfig, SamplingConfig
 from llamarl.exec.hf_generator import _completion_mask, _left_pad
-from llamarl.exec.types import RolloutBatch
-from llamarl.exec.vllm_client import EngineClient, EngineError, EngineLost
+from llamarl.exec.types import RolloutBatch, TurnOutput
+from llamarl.exec.vllm_client import BETWEEN_STEPS_S, EngineClient, EngineError, EngineLost
 
 __all__ = ["EngineError", "EngineLost", "VLLMGenerator", "WeightsNotSyncedError"]
 
@@ -242,6 +242,19 @@ class VLLMGenerator:
         )
         return self.policy_version
 
+    def open_turns(self, *, greedy: bool = False, between_steps: Callable[[], None] | None = None):
+        """Model turns of multi-turn episodes, all in flight in the engine: each turn is returned as soon
+        as it ends, and the episode's next turn starts while the others decode. `between_steps` runs
+        between engine calls (new weights taken in flight: later tokens are stamped with their version)."""
+        if self.policy_version is None:
+            raise WeightsNotSyncedError(
+                "the vLLM engine holds no synced weights (restarted, or its last sync failed): "
+                "receive_weights() first"
+            )
+        seed = None if self.seed is None else self.seed * 100_003 + self._num_calls
+        self._num_calls += 1
+        return _EngineTurns(self, greedy=greedy, seed=seed, between_steps=between_steps)
+
     def engine_policy_version(self) -> int | None:
         """The policy_version the engine itself reports (None after a failed sync)."""
         return self._client_or_raise().call("weight_version")
@@ -362,3 +375,62 @@ def _special_tokens(model_dir: Path) -> tuple[list[int], int]:
     eos_ids = [eos] if isinstance(eos, int) else list(eos)
     pad = next((c["pad_token_id"] for c in configs if c.get("pad_token_id") is not None), None)
     return eos_ids, eos_ids[0] if pad is None else int(pad)
+
+
+class _EngineTurns:
+    """`TurnSession` over the engine's turns_add / turns_wait / turns_abort (see `open_turns`)."""
+
+    def __init__(
+        self,
+        generator: VLLMGenerator,
+        *,
+        greedy: bool,
+        seed: int | None,
+        between_steps: Callable[[], None] | None,
+    ) -> None:
+        self.generator = generator
+        self.greedy = greedy
+        self.seed = seed
+        self.between_steps = between_steps
+        self.new: list[list[Any]] = []
+        self.running = 0
+
+    def submit(self, key: int, prompt_ids: list[int], max_new_tokens: int) -> None:
+        self.new.append([int(key), [int(t) for t in prompt_ids], int(max_new_tokens)])
+
+    def wait(self) -> list[TurnOutput]:
+        client = self.generator._client_or_raise()
+        eos = set(self.generator.eos_token_ids)
+        if self.new:
+            temperature = 0.0 if self.greedy else self.generator.sampling.temperature
+            client.call(
+                "turns_add",
+                requests=self.new,
+                temperature=temperature,
+                stop_token_ids=self.generator.eos_token_ids,
+                seed=self.seed,
+            )
+            self.running += len(self.new)
+            self.new = []
+        while self.running:
+            done = client.call("turns_wait", max_s=BETWEEN_STEPS_S)
+            if done:
+                self.running -= len(done)
+                return [
+                    TurnOutput(
+                        key=int(turn["key"]),
+                        token_ids=turn["token_ids"],
+                        logprobs=turn["logprobs"],
+                        versions=[int(v) for v in turn["versions"]],
+                        ended=bool(turn["token_ids"]) and turn["token_ids"][-1] in eos,
+                    )
+                    for turn in done
+                ]
+            if self.between_steps is not None:
+                self.between_steps()
+        return []
+
+    def close(self) -> None:
+        if self.running or self.new:
+            self.new, self.running = [], 0
+            self.generator._client_or_raise().call("turns_abort")

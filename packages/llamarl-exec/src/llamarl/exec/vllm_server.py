@@ -86,6 +86,8 @@ class Engine:
         # A sync taken with requests in flight owes a prefix-cache reset: vLLM refuses one while requests
         # run, so it runs once they are done (end of generate).
         self._reset_owed_for: int | None = None
+        # Model turns of multi-turn episodes in the engine (turns_add / turns_wait), by request id.
+        self._turns: dict[str, dict[str, Any]] = {}
 
     def generate(
         self,
@@ -189,6 +191,72 @@ class Engine:
             "version_arrivals": arrivals,
             "policy_version": self.weight_version(),
         }
+
+    # -- model turns of multi-turn episodes: many in flight, each returned as soon as it ends ----------
+
+    def turns_add(
+        self, requests: list[list[Any]], temperature: float, stop_token_ids: list[int], seed: int | None
+    ) -> None:
+        """Starts model turns, each `[key, prompt_ids, max_tokens]`; they run until `turns_wait` returns
+        them. Turns of other episodes keep decoding meanwhile (and the prefix cache serves the episode's
+        earlier tokens)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        engine = self.llm.llm_engine
+        render = getattr(self.llm, "_preprocess_cmpl", None)
+        for key, prompt_ids, max_tokens in requests:
+            params = SamplingParams(
+                n=1, temperature=temperature, top_p=1.0, top_k=0, min_p=0.0, presence_penalty=0.0,
+                frequency_penalty=0.0, repetition_penalty=1.0, max_tokens=int(max_tokens), min_tokens=0,
+                stop_token_ids=stop_token_ids, logprobs=0,
+                seed=None if seed is None else seed + self._num_generates,
+                output_kind=RequestOutputKind.DELTA,
+            )  # fmt: skip
+            request_id = f"llamarl-turn-{self._num_generates}"
+            self._num_generates += 1
+            raw = [TokensPrompt(prompt_token_ids=list(prompt_ids))]
+            (prompt,) = raw if render is None else render(raw)
+            engine.add_request(request_id, prompt, params)
+            self._turns[request_id] = {"key": key, "token_ids": [], "logprobs": [], "versions": []}
+        self._in_flight = bool(self._turns)
+
+    def turns_wait(self, max_s: float) -> list[dict[str, Any]]:
+        """Steps the engine (at least once) until a turn ends or `max_s` passed; returns the turns that
+        ended: key, token_ids, logprobs and the policy version of each token."""
+        engine = self.llm.llm_engine
+        deadline = time.monotonic() + max_s
+        done: list[dict[str, Any]] = []
+        while self._turns and not done:
+            version = self._version  # the weights this step's forward pass runs with
+            for output in engine.step():
+                turn = self._turns.get(output.request_id)
+                if turn is None:
+                    continue
+                for completion in output.outputs:
+                    ids = list(completion.token_ids)
+                    turn["token_ids"] += ids
+                    turn["logprobs"] += [
+                        step[t].logprob for step, t in zip(completion.logprobs, ids, strict=True)
+                    ]
+                    turn["versions"] += [version] * len(ids)
+                if output.finished:
+                    done.append(self._turns.pop(output.request_id))
+            if time.monotonic() >= deadline:
+                break
+        if not self._turns:
+            self._in_flight = False
+            self._reset_owed_prefix_cache()
+        return done
+
+    def turns_abort(self) -> None:
+        """Abandons every turn still running."""
+        if self._turns:
+            self.llm.llm_engine.abort_request(list(self._turns))
+        self._turns = {}
+        self._in_flight = False
+        self._reset_owed_prefix_cache()
 
     def _serve_nested(self) -> None:
         """Answers every request waiting on the connection (between two engine steps, never blocking)."""

@@ -23,6 +23,8 @@ GENERATOR_TOTALS = (
     "groups_total",  # groups sampled
     "filtered_total",  # groups dropped by dynamic sampling (all rewards equal)
     "engine_restarts_total",  # dead engines replaced (stream mode with vLLM)
+    "reward_failures_total",  # samples scored 0: a reward function raised, hung or killed its worker
+    "episodes_dropped_total",  # multi-turn episodes dropped because their environment raised
 )
 # Generator-side metrics that travel with each batch, in this order (a float64 tensor of length M).
 GENERATOR_METRICS = (

@@ -1,0 +1,12 @@
+"""`uv run apps/task_rl --task.module my_pkg.my_task:TASK`: RL on a task of your own (or on any named
+task: `--task.name reasoning_gym:basic_arithmetic`); see README.md, "Bring your own task"."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the apps' shared command line
+
+from rl_app import main
+
+if __name__ == "__main__":
+    sys.exit(main(None))
