@@ -37,7 +37,7 @@ def bench_plain(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -
     """transformers' generate with the same sampling settings, no log-prob recording."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    from llamarl.exec.hf_generator import _completion_mask, _left_pad
+    from llamarl.exec.padding import completion_mask, left_pad
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     eos = model.generation_config.eos_token_id
@@ -46,7 +46,7 @@ def bench_plain(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -
     pad = eos_ids[0] if pad is None else pad
 
     def run(batch: list[list[int]], num_tokens: int) -> tuple[int, float]:
-        ids_BP, mask_BP = _left_pad(batch, pad)
+        ids_BP, mask_BP = left_pad(batch, pad)
         config = GenerationConfig(
             do_sample=True, temperature=1.0, top_k=0, top_p=1.0, min_p=None, typical_p=1.0,
             repetition_penalty=1.0, max_new_tokens=num_tokens, eos_token_id=eos_ids, pad_token_id=pad,
@@ -55,7 +55,7 @@ def bench_plain(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -
         with torch.no_grad():
             out = model.generate(input_ids=ids_BP, attention_mask=mask_BP, generation_config=config)
         elapsed = time.perf_counter() - start
-        return int(_completion_mask(out[:, ids_BP.shape[1] :], eos_ids).sum()), elapsed
+        return int(completion_mask(out[:, ids_BP.shape[1] :], eos_ids).sum()), elapsed
 
     run(prompts[:2], 8)
     return run(prompts, max_new_tokens)

@@ -165,7 +165,7 @@ NOT_A_TASK = 3
 
 
 def test_a_users_module_task_loads_by_file_and_checks_its_rows(tmp_path):
-    from llamarl.control.tasks import load_task
+    from llamarl.control.task_registry import load_task
 
     (tmp_path / "shout_task.py").write_text(USER_TASK)
     task = load_task(None, f"{tmp_path / 'shout_task.py'}:TASK")
@@ -244,7 +244,7 @@ def arithmetic_rows_for_test(split):
 
 
 def test_reasoning_gym_tasks_by_name_make_rows_offline_and_score_with_its_verifier():
-    from llamarl.control.tasks import load_task
+    from llamarl.control.task_registry import load_task
 
     task = load_task("reasoning_gym:basic_arithmetic")
     train, test = load_rows(task, None, "train"), load_rows(task, None, "test")

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from llamarl.exec import models
-from llamarl.exec.hf_generator import _completion_mask
 from llamarl.exec.models import load_model_and_tokenizer, resolve_dtype, tiny_model
+from llamarl.exec.padding import completion_mask
 
 
 def test_resolve_dtype():
@@ -72,8 +72,8 @@ def test_completion_mask_ends_at_the_first_eos():
         [[5, 6, eos, pad, pad], [eos, pad, pad, pad, pad], [5, 6, 7, 8, 9], [5, 9, 7, eos, pad]]
     )
     expected = torch.tensor([[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1], [1, 1, 1, 1, 0]])
-    assert torch.equal(_completion_mask(ids, [eos]), expected)
+    assert torch.equal(completion_mask(ids, [eos]), expected)
     assert torch.equal(
-        _completion_mask(ids, [eos, 9]),
+        completion_mask(ids, [eos, 9]),
         torch.tensor([[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]),
     )

@@ -26,7 +26,7 @@ _EXPORTS = {
     "Task": "tasks",
     "TaskError": "tasks",
     "load_rows": "tasks",
-    "load_task": "tasks",
+    "load_task": "task_registry",
     "reasoning_gym_task": "reasoning_gym",
 }
 
@@ -56,6 +56,7 @@ if TYPE_CHECKING:
     from llamarl.control.launcher import RunFailed, launch
     from llamarl.control.reasoning_gym import reasoning_gym_task
     from llamarl.control.run import main, train
+    from llamarl.control.task_registry import load_task
     from llamarl.control.tasks import (
         GSM8K,
         MATH,
@@ -65,7 +66,6 @@ if TYPE_CHECKING:
         Task,
         TaskError,
         load_rows,
-        load_task,
     )
 
 

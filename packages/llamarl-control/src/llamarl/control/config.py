@@ -66,7 +66,7 @@ class TaskConfig(ConfigSection):
         # before any rank starts; a module's task gives the run its name.
         if not isinstance(data, dict):
             return data
-        from llamarl.control.tasks import load_task
+        from llamarl.control.task_registry import load_task
 
         task = load_task(data.get("name"), data.get("module"))
         return {**data, "name": task.name} if data.get("module") else data

@@ -31,7 +31,8 @@ from llamarl.control.cli import RESOLVED_CONFIG, write_config
 from llamarl.control.config import RunConfig, replace_in
 from llamarl.control.faults import ERRORS_DIR
 from llamarl.control.spmd import run_rank
-from llamarl.control.tasks import Task, load_task, register_task
+from llamarl.control.task_registry import load_task, register_task
+from llamarl.control.tasks import Task
 
 EXIT_GRACE_S = 2.0  # how long a failed rank waits before exiting, see _rank_main
 

@@ -22,7 +22,8 @@ from typing import Any
 
 from llamarl.control.cli import parse_run_config
 from llamarl.control.config import ConfigError, RunConfig, replace_in
-from llamarl.control.tasks import DataError, Task, TaskError, load_rows, load_task, register_task
+from llamarl.control.task_registry import load_task, register_task
+from llamarl.control.tasks import DataError, Task, TaskError, load_rows
 
 CUDA_DEFAULT_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
 

@@ -35,7 +35,7 @@ from llamarl.control.evaluation import EvalResult
 from llamarl.control.faults import FaultInjector
 from llamarl.control.prompts import load_tokenizer
 from llamarl.control.schedule import Phase, Tick, lockstep_ticks
-from llamarl.control.tasks import load_task
+from llamarl.control.task_registry import load_task
 from llamarl.control.timeline import Timeline, write_chrome_trace
 
 

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from llamarl.exec.environments import Environment, Finish, ModelTurn, Reply
+from llamarl.exec.padding import left_pad
 from llamarl.exec.tools import parse_tool_calls
 from llamarl.exec.types import RolloutBatch, TurnOutput
 
@@ -210,9 +211,8 @@ def episodes_to_batch(
     episodes: list[Episode], *, group_size: int, pad_token_id: int, policy_version: int
 ) -> RolloutBatch:
     """The episodes as one RolloutBatch (rewards zeros); `policy_version` stamps empty completions."""
-    from llamarl.exec.hf_generator import _left_pad
 
-    prompt_ids_BP, prompt_mask_BP = _left_pad([e.prompt_ids for e in episodes], pad_token_id)
+    prompt_ids_BP, prompt_mask_BP = left_pad([e.prompt_ids for e in episodes], pad_token_id)
     B = len(episodes)
     C = max((len(e.ids) for e in episodes), default=0)
     ids_BC = torch.full((B, C), pad_token_id, dtype=torch.int64)

@@ -19,7 +19,9 @@ import torch
 
 from llamarl.comm import WeightReceiver, WeightSyncGroup
 from llamarl.exec.config import SamplingConfig
+from llamarl.exec.episodes import BatchTurnSession
 from llamarl.exec.models import load_model_and_tokenizer
+from llamarl.exec.padding import completion_mask, left_pad
 from llamarl.exec.types import RolloutBatch
 
 
@@ -162,11 +164,11 @@ class HFGenerator:
     def restart_engine(self) -> None:
         raise NotImplementedError("the hf generator has no engine process to restart")
 
-    def open_turns(self, *, greedy: bool = False, between_steps: Callable[[], None] | None = None):
+    def open_turns(
+        self, *, greedy: bool = False, between_steps: Callable[[], None] | None = None
+    ) -> BatchTurnSession:
         """Model turns of multi-turn episodes: each wait samples the pending turns in one `generate`
         (in-flight updates through `between_steps` as there)."""
-        from llamarl.exec.episodes import BatchTurnSession
-
         if self.model is None:
             raise RuntimeError("HFGenerator.open_turns called before setup()")
         return BatchTurnSession(
@@ -209,7 +211,7 @@ class HFGenerator:
         from transformers import GenerationConfig, LogitsProcessorList
 
         device = self.model.device
-        prompt_ids_BP, prompt_mask_BP = _left_pad(
+        prompt_ids_BP, prompt_mask_BP = left_pad(
             [p for p in prompts for _ in range(samples_per_prompt)], self.pad_token_id
         )
         step_versions: list[int] = []  # the policy_version whose logits drew each step's token
@@ -255,7 +257,7 @@ class HFGenerator:
         )
         completion_ids_BC = sequences[:, prompt_ids_BP.shape[1] :].cpu()
         behavior_logprobs_BC = recorder.finish(sequences[:, -1]).cpu()
-        completion_mask_BC = _completion_mask(completion_ids_BC, self.eos_token_ids)
+        completion_mask_BC = completion_mask(completion_ids_BC, self.eos_token_ids)
         # Columns past the longest completion hold only padding (possible when max_new_tokens is hit
         # by none): drop them so C is the longest completion.
         length = int(completion_mask_BC.sum(1).max()) if completion_mask_BC.numel() else 0
@@ -282,27 +284,3 @@ class HFGenerator:
             token_version_BC=token_version_BC,
             group_size=samples_per_prompt,
         )
-
-
-def _left_pad(sequences: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-pads token lists to the longest; returns (ids_BP, mask_BP), both int64."""
-    length = max(len(s) for s in sequences)
-    ids_BP = torch.full((len(sequences), length), pad_token_id, dtype=torch.int64)
-    mask_BP = torch.zeros((len(sequences), length), dtype=torch.int64)
-    for i, s in enumerate(sequences):
-        if s:
-            ids_BP[i, length - len(s) :] = torch.tensor(s, dtype=torch.int64)
-            mask_BP[i, length - len(s) :] = 1
-    return ids_BP, mask_BP
-
-
-def _completion_mask(completion_ids_BC: torch.Tensor, eos_token_ids: list[int]) -> torch.Tensor:
-    """1 up to and including the first EOS of each row (all ones when there is none), int64 [B, C].
-
-    The mask comes from the EOS position, not from `!= pad`: many models (SmolLM2 among them) pad with
-    their EOS token.
-    """
-    is_eos_BC = torch.isin(completion_ids_BC, torch.tensor(eos_token_ids, device=completion_ids_BC.device))
-    # Number of EOS tokens strictly before each position: 0 means the position is still in the completion.
-    eos_before_BC = torch.cumsum(is_eos_BC.long(), dim=1) - is_eos_BC.long()
-    return (eos_before_BC == 0).long()

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from llamarl.exec.config import GeneratorConfig, SamplingConfig
-from llamarl.exec.hf_generator import _completion_mask, _left_pad
+from llamarl.exec.padding import completion_mask, left_pad
 from llamarl.exec.types import RolloutBatch, TurnOutput
 from llamarl.exec.vllm_client import BETWEEN_STEPS_S, EngineClient, EngineError, EngineLost
 
@@ -325,7 +325,7 @@ class VLLMGenerator:
         token_ids, logprobs, versions = reply["token_ids"], reply["logprobs"], reply["token_versions"]
         num_sequences = len(prompts) * samples_per_prompt
         assert len(token_ids) == num_sequences, (len(token_ids), num_sequences)
-        prompt_ids_BP, prompt_mask_BP = _left_pad(
+        prompt_ids_BP, prompt_mask_BP = left_pad(
             [p for p in prompts for _ in range(samples_per_prompt)], self.pad_token_id
         )
         length = max(len(t) for t in token_ids)
@@ -342,7 +342,7 @@ class VLLMGenerator:
         # id equal to EOS (SmolLM2) is never mistaken for a sampled token.
         lengths_B = torch.tensor([len(t) for t in token_ids])
         completion_mask_BC = (torch.arange(length)[None, :] < lengths_B[:, None]).long()
-        completion_mask_BC &= _completion_mask(completion_ids_BC, self.eos_token_ids)
+        completion_mask_BC &= completion_mask(completion_ids_BC, self.eos_token_ids)
         behavior_logprobs_BC = behavior_logprobs_BC.masked_fill(completion_mask_BC == 0, 0.0)
         token_version_BC = token_version_BC * completion_mask_BC
         # The version of each sequence's first token (an empty completion: the version at the start).
