@@ -20,7 +20,7 @@ from llamarl.control.simulator.generation import (
     shares,
 )
 from llamarl.control.simulator.hardware import DTYPE_BYTES, Efficiency, GpuSpec
-from llamarl.control.simulator.memory import kv_budget_per_gpu, trainer_bytes_per_gpu
+from llamarl.control.simulator.memory import kv_budget_per_gpu, trainer_bytes_per_gpu, trainer_fits
 from llamarl.control.simulator.models import ModelSpec
 from llamarl.control.simulator.training import train_s
 from llamarl.control.simulator.weight_sync import SyncLayout, weight_sync_s
@@ -192,9 +192,14 @@ def best_split(
     near where the two cross: found by bisection, then the neighbours around it are compared.
     """
     step = step or min(gpu.gpus_per_node, total_gpus // 2) or 1
-    options = list(range(step, total_gpus, step))
+    # The trainer must fit on what it is left; the generator gets the rest.
+    options = [
+        g for g in range(step, total_gpus, step) if trainer_fits(template.model, total_gpus - g, gpu, eff)
+    ]
     if not options:
-        raise ValueError(f"{total_gpus} devices cannot be split between a generator and a trainer")
+        raise ValueError(
+            f"{total_gpus} devices cannot hold both a {template.model.name} trainer and a generator"
+        )
     priced: dict[int, tuple[Deployment, PhaseTimes]] = {}
 
     def at(i: int) -> tuple[Deployment, PhaseTimes]:

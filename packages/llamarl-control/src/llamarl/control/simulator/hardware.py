@@ -64,7 +64,7 @@ class Efficiency(BaseModel):
         5.0, ge=0, description="per layer and decoding step: kernel launches left with CUDA graphs (us)"
     )
     eager_layer_overhead_us: float = Field(
-        100.0, ge=0, description="per layer and decoding step without CUDA graphs: eager launches (us)"
+        200.0, ge=0, description="per layer and decoding step without CUDA graphs: eager launches (us)"
     )
     allreduce_latency_intra_us: float = Field(
         10.0, ge=0, description="latency of a small all-reduce inside a node, NVLink (us)"
@@ -77,8 +77,14 @@ class Efficiency(BaseModel):
     trainer_bytes_per_param: float = Field(
         16.0, gt=0, description="trainer state: bf16 weights and grads, fp32 master weights, Adam m and v"
     )
-    trainer_activation_gb: float = Field(
-        8.0, ge=0, description="per device: the training pass's activations (checkpointed), GB"
+    train_micro_batch_tokens: int = Field(
+        8192,
+        ge=1,
+        description="tokens of one training micro-batch per device; with activation checkpointing each "
+        "layer keeps its input: tokens x hidden x layers x 2 bytes",
+    )
+    trainer_workspace_gb: float = Field(
+        8.0, ge=0, description="per device: one layer's recomputed activations, logits, allocator slack (GB)"
     )
     max_seqs_per_replica: int = Field(
         512, ge=1, description="most sequences one generator replica decodes at once (engine limit)"

@@ -21,11 +21,11 @@ class Workload(BaseModel):
     prompts_per_step: int = Field(512, ge=1, description="prompts per optimizer step")
     samples_per_prompt: int = Field(8, ge=1, description="completions per prompt (the group)")
     prompt_tokens: int = Field(256, ge=1, description="tokens of every prompt")
-    median_output_tokens: float = Field(600.0, gt=0, description="median completion length (log-normal law)")
+    median_output_tokens: float = Field(300.0, gt=0, description="median completion length (log-normal law)")
     output_sigma: float = Field(
-        0.6, ge=0, description="log-normal sigma of completion lengths: the weight of the long tail"
+        0.8, ge=0, description="log-normal sigma of completion lengths: the weight of the long tail"
     )
-    max_new_tokens: int = Field(2048, ge=1, description="completion length limit; longer ones are cut")
+    max_new_tokens: int = Field(1024, ge=1, description="completion length limit; longer ones are cut")
 
     @property
     def sequences(self) -> int:
