@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Literal
 
-from pydantic import BaseModel, Field
-from pydantic_settings import BaseSettings, CliApp, CliPositionalArg, CliSubCommand, SettingsConfigDict
+from pydantic import BaseModel, Field, ValidationError
+from pydantic_settings import CliApp, CliPositionalArg, CliSubCommand, SettingsConfigDict
 
 from llamarl.control.simulator import from_run, paper, plan
 from llamarl.control.simulator.hardware import Efficiency, GpuSpec
@@ -33,7 +34,7 @@ class FromRunCommand(BaseModel):
     compare: list[Path] = Field(
         default_factory=list, description="other runs of the same work to check the predictions against"
     )
-    modes: list[str] = Field(
+    modes: list[Literal["sync", "async", "stream"]] = Field(
         default_factory=lambda: ["sync", "async", "stream"], description="modes to predict"
     )
     generators: list[int] = Field(
@@ -77,12 +78,13 @@ class PlanCommand(BaseModel):
         print("\n".join(lines))
 
 
-class Simulate(BaseSettings):
+class Simulate(BaseModel):
     """Simulate llamarl's sync, async and stream schedules: explain the paper's table, predict a
     measured run in other settings, plan a cluster."""
 
+    # A plain model, not BaseSettings: flags only, nothing read from environment variables.
     model_config = SettingsConfigDict(
-        cli_prog_name="simulate.py", cli_kebab_case=True, cli_implicit_flags=True, cli_parse_args=False
+        cli_prog_name="simulate.py", cli_kebab_case=True, cli_implicit_flags=True
     )
 
     paper: CliSubCommand[PaperCommand] = Field(description="the paper's table explained")
@@ -96,10 +98,15 @@ class Simulate(BaseSettings):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Runs the command line; a run folder that cannot be read ends in one line and exit status 2."""
+    """Runs the command line; a bad flag value or a run folder that cannot be read ends in a short
+    message and exit status 2."""
     try:
         CliApp.run(Simulate, cli_args=sys.argv[1:] if argv is None else argv)
-    except RunReadError as e:
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
+        print(f"simulate.py: error: {problems}", file=sys.stderr)
+        return 2
+    except (RunReadError, ValueError) as e:
         print(f"simulate.py: error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -43,14 +43,14 @@ class HostAssumptions(BaseModel):
 
     cores: int = Field(default_factory=lambda: os.cpu_count() or 1, ge=1, description="cores of the machine")
     generate_parallel_frac: float = Field(
-        0.4,
+        0.8,
         ge=0,
         le=1,
-        description="Amdahl parallel fraction of generation (README math_rl runs: 2 threads alone were "
-        "1.24x faster than 1 thread beside a training rank)",
+        description="Amdahl parallel fraction of generation (README bench_modes table: 17.6 s with 2 "
+        "threads alone, 30.0 s with 1 thread beside a training rank: 1.70x)",
     )
     train_parallel_frac: float = Field(
-        0.8, ge=0, le=1, description="Amdahl parallel fraction of training (same runs: 1.64x)"
+        0.9, ge=0, le=1, description="Amdahl parallel fraction of training (same table: 12.5 s vs 22.9 s)"
     )
     memory_gbs: float = Field(10.0, gt=0, description="memory bandwidth one decoding thread gets (GB/s)")
     gflops: float = Field(20.0, gt=0, description="fp32 GFLOP/s one thread reaches in small-batch matmuls")
@@ -267,13 +267,6 @@ def default_targets(run: MeasuredRun) -> list[Target]:
     targets = [Target(m, run.num_generators, run.num_trainers) for m in ("sync", "async", "stream")]
     targets += [Target(m, run.num_generators * 2, run.num_trainers) for m in ("sync", "async", "stream")]
     return targets
-
-
-def measured_step_s(path: Path) -> float:
-    """A run's measured step time (summary.json's step_time_s)."""
-    from llamarl.control.simulator.measured_run import read_run
-
-    return read_run(path).step_time_s
 
 
 @dataclass(frozen=True)

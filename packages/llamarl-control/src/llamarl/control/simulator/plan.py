@@ -107,7 +107,7 @@ def candidates(
         shared, seconds = best_generator_layout(shared, workload, gpu, eff, tps=(1, 2, 4, 8), pps=PP_CHOICES)
         if not math.isinf(seconds):
             times = price(shared, workload, gpu, eff)
-            out.append(Candidate("sync (colocated)", shared, times, times.sync_step_s))
+            out.append(Candidate("sync, colocated (reference)", shared, times, times.sync_step_s))
     return out
 
 
@@ -131,7 +131,7 @@ def report(
     top: int = 5,
 ) -> list[str]:
     """The `plan` command's output: the best candidate per mode, the best splits, a recommendation."""
-    found = [c for c in candidates(model, total_gpus, workload, gpu, eff, generator_dtype=generator_dtype)]
+    found = candidates(model, total_gpus, workload, gpu, eff, generator_dtype=generator_dtype)
     found = [c for c in found if not math.isinf(c.step_s)]
     lines = [
         f"Plan: {model.name} ({model.params / 1e9:.1f}B parameters) on {total_gpus} x {gpu.name}",
@@ -180,4 +180,8 @@ def report(
         lines.append(
             "  Off-policy: the trainer learns from samples one policy version old (AIPO corrects for it)."
         )
+    lines.append(
+        "  Stream matches async here because every step is priced with the same phase times; it gains "
+        "when generation times vary from step to step (from-run prices measured steps)."
+    )
     return lines
