@@ -125,10 +125,12 @@ def test_overlap_alone_gains_at_most_two_and_nothing_over_time_sharing() -> None
     wl = Workload(prompts_per_step=512, samples_per_prompt=8, output_sigma=0, median_output_tokens=256)
     eff = EFF.model_copy(update={"max_seqs_per_replica": 64})
     template = Deployment(LLAMA3_8B, 0, 0, GeneratorLayout(tp=1, weight_dtype="bf16"))
-    split, times = best_split(template, 64, wl, GPU, eff, tps=(1,), pps=(1,))
+    _, times = best_split(template, 64, wl, GPU, eff, tps=(1,), pps=(1,))
     overlap = times.sync_step_s / times.async_step_s  # the same split, taking turns vs at once
     assert 1.0 < overlap <= 2.0
-    shared = Deployment(LLAMA3_8B, 64, 64, GeneratorLayout(tp=1), colocated=True, trainer_state_resident=False)
+    shared = Deployment(
+        LLAMA3_8B, 64, 64, GeneratorLayout(tp=1), colocated=True, trainer_state_resident=False
+    )
     time_shared = price(shared, wl, GPU, eff)
     together = time_shared.generate_s + time_shared.train_s
     # Splitting 64 devices in whole nodes and overlapping is no faster than taking turns on all 64.

@@ -34,7 +34,12 @@ def write_sync_run(path: Path, *, steps: int = 4, prompts: int = 2, samples: int
         t += SYNC
         step_s = GEN + SCORE + MOVE + TRAIN + SYNC if tick else float("nan")
         records.append(
-            {"step": tick + 1, "time/step_s": step_s, "time/train_s": TRAIN, "train/num_completion_tokens": 40.0}
+            {
+                "step": tick + 1,
+                "time/step_s": step_s,
+                "time/train_s": TRAIN,
+                "train/num_completion_tokens": 40.0,
+            }
         )
         for p in range(prompts):
             for _ in range(samples):
@@ -70,7 +75,7 @@ def test_share_tokens_respects_the_cap() -> None:
 
 
 def test_missing_files_are_reported(tmp_path: Path) -> None:
-    with pytest.raises(RunReadError, match="summary.json"):
+    with pytest.raises(RunReadError, match=r"summary\.json"):
         read_run(tmp_path)
     assert main(["from-run", str(tmp_path)]) == 2
 
@@ -122,3 +127,13 @@ def test_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert main(["from-run", str(run_dir), "--host.cores", "2", "--generators", "1"]) == 0
     out = capsys.readouterr().out
     assert "| async | 1 + 1 |" in out and "calibration run" in out
+
+
+def test_two_trainer_ranks_split_the_step(tmp_path: Path) -> None:
+    run = read_run(write_sync_run(tmp_path / "run"))
+    # Sync, three ranks on four cores with every core per rank: no sharing while one phase runs.
+    host = HostAssumptions(
+        cores=4, generate_parallel_frac=0.0, train_parallel_frac=0.0, trainer_scaling_eff=0.8
+    )
+    result = predict(run, Target("sync", 1, trainers=2), host)
+    assert result.step_s == pytest.approx(GEN + SCORE + MOVE + TRAIN / (2 * 0.8) + SYNC)

@@ -40,6 +40,9 @@ class FromRunCommand(BaseModel):
     generators: list[int] = Field(
         default_factory=list, description="generator ranks to predict (default: the run's and twice that)"
     )
+    trainers: list[int] = Field(
+        default_factory=list, description="trainer ranks to predict (default: the run's)"
+    )
     max_new_tokens: int | None = Field(
         None, description="the run's --max-new-tokens (caps estimated lengths)"
     )
@@ -49,7 +52,8 @@ class FromRunCommand(BaseModel):
         run = read_run(self.output_dir, self.max_new_tokens)
         compare = [read_run(p, self.max_new_tokens) for p in self.compare]
         counts = self.generators or [run.num_generators, 2 * run.num_generators]
-        targets = [from_run.Target(m, g, run.num_trainers) for g in counts for m in self.modes]
+        trainers = self.trainers or [run.num_trainers]
+        targets = [from_run.Target(m, g, t) for t in trainers for g in counts for m in self.modes]
         found = from_run.predictions(run, self.host, compare, targets)
         print("\n".join(from_run.report(run, self.host, found)))
 

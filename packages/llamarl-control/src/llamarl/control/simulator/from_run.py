@@ -5,7 +5,8 @@ stated assumptions (`HostAssumptions`):
 
 - Threads: the launcher gives every rank all cores in sync mode and cores / ranks otherwise. A phase
   measured with k threads takes seconds x S(k) / S(k') with k' threads, S(k) = 1 / ((1 - f) + f / k)
-  (Amdahl; f per phase). Phases running at once share the machine's cores (processor sharing).
+  (Amdahl; f per phase). Phases running at once share the machine's cores (processor sharing), each
+  keeping S(k) cores busy.
 - Generators: a batched `generate` call makes as many decoding steps as its longest completion, each
   costing a + b x rows: a reads the weights, b computes one row. Their ratio comes from a roofline of
   the model on the host (bytes / bandwidth against FLOPs / FLOP rate), their scale from the run. Each
@@ -92,9 +93,9 @@ class RunCosts:
         gen_f, train_f = host.generate_parallel_frac, host.train_parallel_frac
         self._gen_scale = host.speedup(measured_threads, gen_f) / host.speedup(self.threads, gen_f)
         self._train_scale = host.speedup(measured_threads, train_f) / host.speedup(self.threads, train_f)
-        self._train_scale *= _data_parallel_time(run.num_trainers, host) / _data_parallel_time(
-            target.trainers, host
-        )
+        # Data-parallel trainer ranks split each step's sequences.
+        dp = _data_parallel_time(target.trainers, host) / _data_parallel_time(run.num_trainers, host)
+        self._train_scale *= dp
         self.batches = sorted(b for b in run.generate_s if b in run.lengths) or sorted(run.generate_s)
         # Seconds per decoding step of one generator at its measured rows, from every measured batch.
         rows = run.prompts_per_step * run.samples_per_prompt // run.num_generators
@@ -160,14 +161,16 @@ class RunCosts:
         return self._move
 
     def placement(self) -> Placement:
-        trainer_threads = self.threads * self.target.trainers
+        """Every rank on the host's cores. A phase keeps as many cores busy as its Amdahl speed-up
+        (a serial phase one, whatever its threads), and that is what it asks of the shared pool."""
+        host, threads = self.host, self.threads
         return Placement(
             generators=self.target.generators,
             trainer_pool="host",
             generator_pool="host",
-            pool_cores={"host": float(self.host.cores)},
-            trainer_threads=float(trainer_threads),
-            generator_threads=float(self.threads),
+            pool_cores={"host": float(host.cores)},
+            trainer_threads=self.target.trainers * host.speedup(threads, host.train_parallel_frac),
+            generator_threads=host.speedup(threads, host.generate_parallel_frac),
         )
 
 

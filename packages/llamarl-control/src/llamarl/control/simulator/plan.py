@@ -33,6 +33,7 @@ from llamarl.control.simulator.schedules import (
     simulate_lockstep,
     simulate_stream,
 )
+from llamarl.control.simulator.weight_sync import weight_sync_s
 from llamarl.control.simulator.workload import Workload
 
 MODES = ("sync", "async", "stream")
@@ -172,9 +173,20 @@ def report(
     if others:
         lines.append("  Against: " + "; ".join(others) + ".")
     sync_bytes = model.params * 2
+    gathered = weight_sync_s(
+        "gather_broadcast",
+        model,
+        wire_bytes_per_param=2,
+        trainer_gpus=d.trainer_gpus,
+        replicas=max(d.replicas, 1),
+        replica_gpus=d.generator.gpus,
+        gpu=gpu,
+        eff=eff,
+    )
     lines.append(
         f"  Weight sync: {sync_bytes / 1e9:.1f} GB of bf16 weights per replica, shard to shard in "
-        f"{best.times.weight_sync_s:.2f} s per step (every trainer device sends its own shards)."
+        f"{best.times.weight_sync_s:.2f} s per step (every trainer device sends its own shards); "
+        f"gathered on one device and broadcast it would take {gathered:.1f} s."
     )
     if best.mode != "sync":
         lines.append(
