@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
+from llamarl.control.buffer import RolloutBuffer
 from llamarl.control.schedule import lockstep_ticks
 from llamarl.control.simulator.events import Deadlock, Join, Simulation, WaitUntil, Work
 from llamarl.control.simulator.schedules import (
@@ -15,6 +17,7 @@ from llamarl.control.simulator.schedules import (
     simulate_lockstep,
     simulate_stream,
 )
+from llamarl.exec.types import RolloutBatch
 
 # The simulator names the trainer's sync "sync_weights" like the plan; spans of zero length included.
 PHASES_BY_ROLE = {
@@ -166,3 +169,39 @@ def test_engine_reports_a_deadlock() -> None:
     sim.add("x", stuck())
     with pytest.raises(Deadlock, match="stuck"):
         sim.run()
+
+
+def _group(version: int) -> RolloutBatch:
+    """One group of two one-token samples sampled by `version`."""
+    ones = torch.ones(2, 1, dtype=torch.int64)
+    return RolloutBatch(
+        prompt_ids_BP=ones,
+        prompt_mask_BP=ones,
+        completion_ids_BC=ones,
+        completion_mask_BC=ones,
+        behavior_logprobs_BC=torch.zeros(2, 1),
+        rewards_B=torch.zeros(2),
+        policy_version_B=torch.full((2,), version, dtype=torch.int64),
+        group_size=2,
+    )
+
+
+@pytest.mark.parametrize("gen,train,lag", [(1.0, 10.0, 1), (1.0, 10.0, 2), (3.0, 2.0, 1), (2.0, 5.0, 0)])
+def test_stream_buffer_matches_the_controllers_rollout_buffer(gen: float, train: float, lag: int) -> None:
+    # Replays the simulated puts into llamarl.control.buffer.RolloutBuffer: every take gets the same
+    # groups (oldest first, within the staleness bound) and drops the same stale ones.
+    settings = StreamSettings(groups_per_step=4, groups_per_request=2, buffer_groups=8, max_policy_lag=lag)
+    result = simulate_stream(8, ConstantCosts(generate=gen, train=train, weight_sync=0.5), settings)
+    buffer = RolloutBuffer(capacity_groups=10_000, max_policy_lag=lag)
+    takes = 0
+    for op in result.buffer_ops:
+        if op[0] == "put":
+            buffer.put(_group(op[1]), timeout_s=1)
+            continue
+        _, version, taken, dropped = op
+        before = buffer.counts.dropped_stale
+        batch = buffer.take(len(taken), current_version=version, timeout_s=1)
+        assert batch.policy_version_B[::2].tolist() == list(taken)
+        assert buffer.counts.dropped_stale - before == dropped
+        takes += 1
+    assert takes == 8

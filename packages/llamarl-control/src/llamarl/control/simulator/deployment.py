@@ -4,7 +4,7 @@ A `Deployment` says where the generator and the trainer live (their own devices,
 the trainer's devices: the synchronous baseline), how a generator replica is laid out and run, and
 how weights travel. `price` turns it and a `Workload` into the seconds of each phase of one step;
 `best_generator_layout` and `best_split` pick the layout and the generator/trainer split that give the
-shortest step (the same search for every system, so no system is handicapped by a poor choice).
+shortest step (what `plan` searches, and LlamaRL's side of `paper`).
 """
 
 from __future__ import annotations

@@ -102,6 +102,9 @@ class ScheduleResult:
     train_ends: list[float]
     lags: list[list[int]] = field(default_factory=list)  # per step: each group's policy lag
     dropped_stale: int = 0
+    # Stream: the buffer's operations in order: ("put", version) for a group put, ("take", trainer
+    # version, versions taken, groups dropped) when a take completes.
+    buffer_ops: list[tuple] = field(default_factory=list)
 
     @property
     def step_times(self) -> list[float]:
@@ -223,6 +226,7 @@ def simulate_stream(
     state = {"version": 0, "announced": 0, "stopped": False, "dropped": 0}
     announced_version: dict[int, int] = {}
     lags: list[list[int]] = []
+    buffer_ops: list[tuple] = []
 
     def sync_join(k: int) -> Join:
         return Join(f"sync:{k}", everyone, costs.weight_sync_s(), "weight_sync", k)
@@ -275,19 +279,23 @@ def simulate_stream(
                 if state["stopped"]:
                     return
                 buffer.append(group_version)
+                buffer_ops.append(("put", group_version))
             outbox[g].popleft()
 
     def trainer() -> Process:
         for step in range(steps):
             taken: list[int] = []
+            dropped = 0
             while len(taken) < settings.groups_per_step:
                 yield WaitUntil(lambda: bool(buffer), "rollouts", step)
                 while buffer and len(taken) < settings.groups_per_step:
                     version = buffer.popleft()
                     if state["version"] - version > settings.max_policy_lag:
-                        state["dropped"] += 1
+                        dropped += 1
                     else:
                         taken.append(version)
+            state["dropped"] += dropped
+            buffer_ops.append(("take", state["version"], tuple(taken), dropped))
             lags.append([state["version"] - v for v in taken])
             yield Work("train", costs.train_s(step), step, placement.trainer_threads)
             state["version"] += 1
@@ -302,4 +310,6 @@ def simulate_stream(
         sim.add(f"drain {g}", drain(g), None)
     spans = sim.run(main={TRAINER})
     train_ends = sorted(s.end for s in spans if s.actor == TRAINER and s.name == "train")
-    return ScheduleResult("stream", spans, train_ends, lags=lags, dropped_stale=state["dropped"])
+    return ScheduleResult(
+        "stream", spans, train_ends, lags=lags, dropped_stale=state["dropped"], buffer_ops=buffer_ops
+    )
