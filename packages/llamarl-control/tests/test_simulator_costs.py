@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from llamarl.control.simulator.deployment import Deployment, best_split, price
@@ -135,3 +138,11 @@ def test_overlap_alone_gains_at_most_two_and_nothing_over_time_sharing() -> None
     together = time_shared.generate_s + time_shared.train_s
     # Splitting 64 devices in whole nodes and overlapping is no faster than taking turns on all 64.
     assert together / max(times.generate_s, times.train_s) <= 1.0 + 1e-9
+
+
+def test_the_simulator_imports_without_torch() -> None:
+    code = (
+        "import sys, llamarl.control.simulator.cli, llamarl.control.simulator.paper; "
+        "sys.exit('torch' in sys.modules)"
+    )
+    assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
