@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llamarl.control.buffer import RolloutBuffer
+from llamarl.control.channels.buffer import RolloutBuffer
 from llamarl.control.schedule import lockstep_ticks
 from llamarl.control.simulator.events import Deadlock, Join, Simulation, WaitUntil, Work
 from llamarl.control.simulator.schedules import (
@@ -188,7 +188,7 @@ def _group(version: int) -> RolloutBatch:
 
 @pytest.mark.parametrize("gen,train,lag", [(1.0, 10.0, 1), (1.0, 10.0, 2), (3.0, 2.0, 1), (2.0, 5.0, 0)])
 def test_stream_buffer_matches_the_controllers_rollout_buffer(gen: float, train: float, lag: int) -> None:
-    # Replays the simulated puts into llamarl.control.buffer.RolloutBuffer: every take gets the same
+    # Replays the simulated puts into llamarl.control.channels.buffer.RolloutBuffer: every take gets the same
     # groups (oldest first, within the staleness bound) and drops the same stale ones.
     settings = StreamSettings(groups_per_step=4, groups_per_request=2, buffer_groups=8, max_policy_lag=lag)
     result = simulate_stream(8, ConstantCosts(generate=gen, train=train, weight_sync=0.5), settings)

@@ -10,7 +10,7 @@
   block when it and their outbox are full) and take new weights between requests, or between
   decoding steps with in-flight updates; the trainer takes the oldest groups within the staleness
   bound (dropping older ones), trains, and syncs weights with every generator
-  (`llamarl.control.roles`, `llamarl.control.buffer`).
+  (`llamarl.control.generator_loop`, `llamarl.control.trainer_loop`, `llamarl.control.channels.buffer`).
 
 Costs come from a `PhaseCosts` (a physics model of a GPU cluster or what a measured run took); where
 executors share cores (`Placement.pool_cores`) concurrent phases slow each other down.
