@@ -16,6 +16,7 @@ from pathlib import Path
 from llamarl.control import TASKS, ConfigError, DataError, RunConfig, RunFailed, launch, load_examples
 from llamarl.control.cli import parse_run_config
 from llamarl.control.config import replace_in
+from llamarl.control.launcher import run_this_rank, under_torchrun
 from llamarl.control.tasks import hub_unavailable_reason
 
 CUDA_DEFAULT_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
@@ -72,10 +73,11 @@ def _check_generator(config: RunConfig) -> None:
     """`--generator vllm` needs the vLLM environment and a local model folder: say so before ranks start."""
     if config.generator.backend != "vllm":
         return
+    from llamarl.control.devices import uses_cuda
     from llamarl.exec.vllm_env import VLLMEnvironmentError, find_vllm_python
 
     try:
-        find_vllm_python(config.generator.vllm_python)
+        find_vllm_python(config.generator.vllm_python, cuda=uses_cuda(config))
     except VLLMEnvironmentError as e:
         raise UsageError(f"--generator vllm: {e}") from None
     if not Path(config.model, "config.json").is_file():
@@ -104,7 +106,8 @@ def main(task: str, argv: list[str] | None = None) -> int:
             raise UsageError(
                 f"--eval-size {config.eval.size} is larger than the test split ({len(test)} rows)"
             )
-        summary = launch(config, train, test)
+        # Under torchrun this process is one rank; otherwise it starts this machine's ranks.
+        launched = run_this_rank(config, train, test) if under_torchrun() else launch(config, train, test)
     except (UsageError, ConfigError, DataError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
@@ -114,6 +117,13 @@ def main(task: str, argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
+    if launched is None:  # a rank under torchrun other than the first trainer rank
+        return 0
+    if launched.summary is None:  # another machine of the job holds the first trainer rank
+        where = f"{launched.summary_path} on {launched.summary_host}"
+        print(f"summary: {where} (the machine of the first trainer rank)")
+        return 0
+    summary = launched.summary
     shown = {
         k: summary[k]
         for k in (

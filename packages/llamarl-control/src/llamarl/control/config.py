@@ -110,14 +110,24 @@ class LaunchConfig(ConfigSection):
     """Machines, restarts and the deadline of every wait, for the launch through torch elastic."""
 
     nnodes: int = Field(1, ge=1)
-    """machines; ranks are spread evenly over them (run the same command on each)"""
+    """machines; ranks are spread evenly over them, in order (run the same command on each)"""
     rdzv_endpoint: str | None = None
-    """host:port of the rendezvous on the first machine, for nnodes > 1"""
+    """host:port where the machines meet (a free port on one of them), for nnodes > 1"""
+    rdzv_id: str | None = None
+    """id of the job at the rendezvous, the same on every machine (unset: derived from rdzv_endpoint)"""
     max_restarts: int = Field(0, ge=0)
-    """after a failure torch elastic restarts all ranks up to this many times; each resumes from the
-    latest checkpoint"""
+    """after a failure torch elastic restarts all ranks up to this many times (a lost machine once it
+    is back); each resumes from the latest checkpoint"""
     timeout_s: float = Field(600.0, gt=0)
-    """deadline (s) of any wait on another process"""
+    """deadline (s) of any wait on another process (machines joining the job included)"""
+
+    @property
+    def run_id(self) -> str:
+        """The rendezvous id: rdzv_id, else one every machine derives alike from the endpoint."""
+        if self.rdzv_id:
+            return self.rdzv_id
+        endpoint = (self.rdzv_endpoint or "local").replace(":", "-").replace("/", "-")
+        return f"llamarl-{endpoint}"
 
 
 class WeightSyncConfig(ConfigSection):
