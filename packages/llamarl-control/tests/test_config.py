@@ -131,6 +131,24 @@ def test_a_bad_config_file_is_one_line_naming_the_key(tmp_path, text, message):
         ),
         (["--nnodes", "2"], "launch.nnodes > 1 needs launch.rdzv_endpoint"),
         (["--num-generators", "2", "--nnodes", "2", "--rdzv-endpoint", "h:1"], "cannot be spread evenly"),
+        (["--ranks.colocate", "--num-generators", "2"], "ranks.num_generators (2) must equal"),
+        (["--ranks.colocate"], "trainer_memory_fraction (1.0) + generator.gpu_memory_utilization (0.9) must"),
+        (
+            [
+                "--ranks.colocate",
+                "--ranks.trainer-memory-fraction",
+                "0.5",
+                "--nnodes",
+                "2",
+                "--rdzv-endpoint",
+                "h:1",
+            ],
+            "ranks.colocate shares the GPUs of one machine",
+        ),
+        (
+            ["--generator.gpu-memory-utilization", "1.5"],
+            "generator.gpu_memory_utilization: Input should be less",
+        ),
         (["--temperature", "0"], "sampling.temperature (--temperature): Input should be greater than 0"),
         (["--task.name", "chess"], "unknown task 'chess'; known: gsm8k, math, arith"),
         (["--loss", "nope"], "algorithm.loss (--loss): Input should be 'aipo'"),
@@ -150,3 +168,10 @@ def test_replace_in_validates_and_sections_are_immutable():
         replace_in(config, **{"schedule.steps": 0})
     with pytest.raises(pydantic.ValidationError):
         config.schedule.steps = 3  # type: ignore[misc]
+
+
+def test_every_machine_derives_the_same_rendezvous_id_from_the_endpoint():
+    # The c10d rendezvous key is built from the run id: machines with different ones never meet.
+    argv = ("--nnodes", "2", "--rdzv-endpoint", "node0:29500")
+    assert parse(*argv).launch.run_id == parse(*argv, "--steps", "9").launch.run_id == "llamarl-node0-29500"
+    assert parse(*argv, "--launch.rdzv-id", "job-17").launch.run_id == "job-17"

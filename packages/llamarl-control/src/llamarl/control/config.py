@@ -95,14 +95,20 @@ class ScheduleConfig(ConfigSection):
 
 
 class RanksConfig(ConfigSection):
-    """How many ranks of each kind, and on what device."""
+    """How many ranks of each kind, on which devices, and how they share a GPU."""
 
     num_trainers: int = Field(1, ge=1)
     """trainer ranks 0..N-1 (FSDP2 over them when N > 1, or on CUDA); the first one logs"""
     num_generators: int = Field(1, ge=1)
     """generator ranks N..N+G-1 (data-parallel replicas, each scoring its own samples)"""
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    """auto: CUDA when present"""
+    """auto: CUDA when present; on CUDA every rank gets a GPU of its own (its local rank's), a vLLM
+    generator rank's engine runs on it"""
+    colocate: bool = False
+    """CUDA, one machine: generator rank i shares the GPU of trainer rank i (as many generators as
+    trainers); set trainer_memory_fraction and generator.gpu_memory_utilization to split it"""
+    trainer_memory_fraction: float = Field(1.0, gt=0, le=1)
+    """CUDA: share of its GPU's memory a trainer rank may allocate (torch's allocator cap)"""
     threads_per_rank: int | None = Field(None, ge=1)
     """CPU threads per rank (unset: the cores split across the ranks that run at once)"""
 
@@ -111,14 +117,24 @@ class LaunchConfig(ConfigSection):
     """Machines, restarts and the deadline of every wait, for the launch through torch elastic."""
 
     nnodes: int = Field(1, ge=1)
-    """machines; ranks are spread evenly over them (run the same command on each)"""
+    """machines; ranks are spread evenly over them, in order (run the same command on each)"""
     rdzv_endpoint: str | None = None
-    """host:port of the rendezvous on the first machine, for nnodes > 1"""
+    """host:port where the machines meet (a free port on one of them), for nnodes > 1"""
+    rdzv_id: str | None = None
+    """id of the job at the rendezvous, the same on every machine (unset: derived from rdzv_endpoint)"""
     max_restarts: int = Field(0, ge=0)
-    """after a failure torch elastic restarts all ranks up to this many times; each resumes from the
-    latest checkpoint"""
+    """after a failure torch elastic restarts all ranks up to this many times (a lost machine once it
+    is back); each resumes from the latest checkpoint"""
     timeout_s: float = Field(600.0, gt=0)
-    """deadline (s) of any wait on another process"""
+    """deadline (s) of any wait on another process (machines joining the job included)"""
+
+    @property
+    def run_id(self) -> str:
+        """The rendezvous id: rdzv_id, else one every machine derives alike from the endpoint."""
+        if self.rdzv_id:
+            return self.rdzv_id
+        endpoint = (self.rdzv_endpoint or "local").replace(":", "-").replace("/", "-")
+        return f"llamarl-{endpoint}"
 
 
 class WeightSyncConfig(ConfigSection):
@@ -213,6 +229,21 @@ class RunConfig(ConfigSection):
             )
         if launch.nnodes > 1 and not launch.rdzv_endpoint:
             raise ValueError("launch.nnodes > 1 needs launch.rdzv_endpoint (host:port of the first machine)")
+        if ranks.colocate:
+            if ranks.num_generators != ranks.num_trainers:
+                raise ValueError(
+                    f"ranks.colocate pairs generator i with trainer i: ranks.num_generators "
+                    f"({ranks.num_generators}) must equal ranks.num_trainers ({ranks.num_trainers})"
+                )
+            if launch.nnodes > 1:
+                raise ValueError("ranks.colocate shares the GPUs of one machine; use it with launch.nnodes 1")
+            shares = ranks.trainer_memory_fraction + self.generator.gpu_memory_utilization
+            if shares > 1:
+                raise ValueError(
+                    f"ranks.colocate: ranks.trainer_memory_fraction ({ranks.trainer_memory_fraction}) + "
+                    f"generator.gpu_memory_utilization ({self.generator.gpu_memory_utilization}) must be at "
+                    "most 1 on a shared GPU"
+                )
         if schedule.mode == "stream":
             # Stream ranks never meet at a tick boundary, where checkpoints and in-loop evaluations are
             # taken; both are lock-step features for now.
@@ -257,6 +288,12 @@ class RunConfig(ConfigSection):
             and self.generator.backend == "vllm"
             and self.ranks.num_trainers == 1
         )
+
+    @property
+    def request_sequences(self) -> int:
+        """Sequences one generator asks for in a request: its share of a step's prompts x samples per
+        prompt (what a vLLM engine's max_num_seqs is sized to when unset)."""
+        return self.schedule.prompts_per_step // self.ranks.num_generators * self.sampling.samples_per_prompt
 
     @property
     def sync_deadline_s(self) -> float:

@@ -4,6 +4,9 @@
 
 - "RANK:TICK" raises on that rank at the start of that tick (tick -1: before the first evaluation);
 - "RANK:TICK:kill" kills it there instead (SIGKILL: no cleanup, as the out-of-memory killer does);
+- "RANK:TICK:node" kills its whole machine there: SIGKILL to its process group, which is the launcher
+  and every rank it started when the launcher leads a group of its own (as a shell job or a test's
+  `start_new_session` child does);
 - a last ":checkpoint" strikes inside that tick's checkpoint write, after the rank wrote its part and
   before the commit;
 - "RANK:N:engine" kills (SIGKILL) that generator rank's vLLM engine half a second into its stream
@@ -37,20 +40,21 @@ class Fault:
     tick: int  # the tick, or the stream request number of an engine fault
     kill: bool  # SIGKILL instead of an exception
     phase: Phase
+    node: bool = False  # SIGKILL to the rank's whole process group (its machine's launcher and ranks)
 
     @classmethod
     def parse(cls, spec: str) -> Fault:
-        """A fault from "RANK:TICK[:kill][:checkpoint]" or "RANK:REQUEST:engine"."""
+        """A fault from "RANK:TICK[:kill|:node][:checkpoint]" or "RANK:REQUEST:engine"."""
         parts = spec.split(":")
         try:
             rank, tick = int(parts[0]), int(parts[1])
         except (IndexError, ValueError):
             raise ValueError(
-                f"{FAULT_ENV}={spec!r}: expected RANK:TICK[:kill][:checkpoint] or RANK:N:engine"
+                f"{FAULT_ENV}={spec!r}: expected RANK:TICK[:kill|:node][:checkpoint] or RANK:N:engine"
             ) from None
         flags = set(parts[2:])
         phase: Phase = "checkpoint" if "checkpoint" in flags else "request" if "engine" in flags else "tick"
-        return cls(rank, tick, "kill" in flags, phase)
+        return cls(rank, tick, "kill" in flags or "node" in flags, phase, node="node" in flags)
 
 
 class FaultInjector:
@@ -83,6 +87,8 @@ class FaultInjector:
         # Tests measure how long the run takes to end after the fault, so record when it struck.
         marker = {"rank": self.rank, "tick": tick, "phase": phase, "time": time.time()}
         (self.output_dir / ERRORS_DIR / "injected_fault.json").write_text(json.dumps(marker))
+        if fault.node:
+            os.killpg(os.getpgid(0), signal.SIGKILL)
         if fault.kill:
             os.kill(os.getpid(), signal.SIGKILL)
         raise RuntimeError(f"injected failure on rank {self.rank} at tick {tick}, {phase} ({FAULT_ENV})")

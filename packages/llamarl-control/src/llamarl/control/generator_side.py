@@ -94,6 +94,9 @@ class GeneratorSide(Side):
                 start_timeout_s=cfg.launch.timeout_s,
                 timeout_s=cfg.launch.timeout_s,
                 log_path=str(self.output_dir / "logs" / f"vllm_engine.rank{self.rank}.log"),
+                device=str(self.device),  # on CUDA the engine gets this rank's GPU alone
+                batch_sequences=cfg.request_sequences,
+                in_flight_updates=cfg.schedule.mode == "stream",
             )
         return HFGenerator(cfg.model, cfg.sampling, device=str(self.device), dtype=dtype, seed=seed)
 

@@ -5,17 +5,28 @@ stops the others. With `max_restarts` R > 0 it then starts all ranks again, up t
 restarted rank resumes from the latest complete checkpoint by itself. When no restart is left the
 launcher shows the first rank's original error (its traceback, written by
 the rank itself to OUTPUT_DIR/errors/) once, and raises `RunFailed`.
+
+Several machines: the same command on each (`--nnodes N --rdzv-endpoint HOST:PORT`) joins one
+rendezvous, whose id every machine derives alike (`launch.rdzv_id`); torch elastic gives the machines
+their ranks in order. The machine that holds the first trainer rank gets the summary; the others learn
+where it is. A machine that goes away is named by the others (`llamarl.control.nodes`); with
+`max_restarts` the job waits (up to `launch.timeout_s`) for it to come back and resumes from the latest
+checkpoint. Under `torchrun` (or Slurm's srun of it), each process is one rank: `run_this_rank`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
-import shutil
+import socket
+import sys
 import time
 import traceback
 import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -24,13 +35,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous.api import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from llamarl.comm import free_port
+from llamarl.control.channels.weights import FIRST_TRAINER_RANK
 from llamarl.control.cli import RESOLVED_CONFIG, write_config
-from llamarl.control.config import RunConfig, replace_in
+from llamarl.control.config import ConfigError, RunConfig, replace_in
+from llamarl.control.devices import check_placement, pin_rank, this_rank_placement
 from llamarl.control.faults import ERRORS_DIR
-from llamarl.control.spmd import run_rank
+from llamarl.control.nodes import NodeWatch, describe_lost, nodes_as_records
 from llamarl.control.task_registry import load_task, register_task
 from llamarl.control.tasks import Task
 
@@ -45,94 +59,267 @@ class RunFailed(RuntimeError):
         self.rank = rank
 
 
+@dataclass(frozen=True)
+class Launched:
+    """What a finished job left on this machine."""
+
+    summary: dict[str, Any] | None
+    """the trainer's summary, on the machine of the first trainer rank (None on the others)"""
+    summary_path: Path
+    """OUTPUT_DIR/summary.json, on the machine of the first trainer rank"""
+    summary_host: str
+    """that machine (torch elastic's MASTER_ADDR)"""
+
+
 def launch(
     config: RunConfig, train_rows: list[dict], eval_rows: list[dict], task: Task | None = None
-) -> dict[str, Any]:
-    """Runs the job on `config.world_size` ranks and returns the trainer's summary.
+) -> Launched:
+    """Runs the job on `config.world_size` ranks (this machine's share of them with `launch.nnodes` >
+    1) and returns what it left here. `task`: the task object when it was given in code
+    (`llamarl.control.train`); by default the one `config.task` names.
 
-    `task`: the task object when it was given in code (`llamarl.control.train`); by default the one
-    `config.task` names. Writes the resolved config to OUTPUT_DIR/config.toml first: `--config` reruns it.
+    Writes the resolved config to OUTPUT_DIR/config.toml first: `--config` reruns it.
+
+    Raises:
+        ConfigError: the ranks do not fit this machine's GPUs (one line, before any rank starts).
+        RunFailed: a rank failed, a machine was lost, or the machines never met (one line, or the
+            first failed rank's traceback).
     """
     task = task if task is not None else load_task(config.task.name, config.task.module)
+    launch = config.launch
+    ranks_per_node = config.world_size // launch.nnodes
+    check_placement(config, ranks_per_node=ranks_per_node, cuda_devices=torch.cuda.device_count())
     output_dir = config.output_dir
     output_dir.mkdir(parents=True, exist_ok=True)
-    write_config(config, output_dir / RESOLVED_CONFIG)
+    _write_resolved_config(config)
+    # Shared by every machine where OUTPUT_DIR is: never cleared here (another machine's rank may
+    # already have written into it); each rank removes its own stale record when it starts.
     errors_dir = output_dir / ERRORS_DIR
-    shutil.rmtree(errors_dir, ignore_errors=True)
-    errors_dir.mkdir()
-    launch = config.launch
-    endpoint = launch.rdzv_endpoint or f"127.0.0.1:{free_port('127.0.0.1')}"
+    errors_dir.mkdir(exist_ok=True)
+    if launch.nnodes == 1 and launch.rdzv_endpoint is None:
+        endpoint, run_id = f"127.0.0.1:{free_port('127.0.0.1')}", f"llamarl-{uuid.uuid4().hex[:8]}"
+    else:
+        # The c10d rendezvous key is built from the run id: every machine must give the same one.
+        endpoint, run_id = launch.rdzv_endpoint or "", launch.run_id
+    # Each machine logs into a folder of its own, also where OUTPUT_DIR is shared.
+    log_dir = output_dir / "logs" / f"{socket.gethostname()}-{os.getpid()}"
     launch_config = LaunchConfig(
         min_nodes=launch.nnodes,
         max_nodes=launch.nnodes,
-        nproc_per_node=config.world_size // launch.nnodes,
-        run_id=f"llamarl-{uuid.uuid4().hex[:8]}",
+        nproc_per_node=ranks_per_node,
+        run_id=run_id,
         rdzv_backend="c10d",
         rdzv_endpoint=endpoint,
         rdzv_configs={"join_timeout": launch.timeout_s},
         max_restarts=launch.max_restarts,  # restarted ranks resume from the latest checkpoint
         monitor_interval=0.2,
         start_method="spawn",
-        logs_specs=DefaultLogsSpecs(log_dir=str(output_dir / "logs")),
+        logs_specs=DefaultLogsSpecs(log_dir=str(log_dir)),
     )
     # torch elastic logs every child failure at ERROR with its traceback; we show it once ourselves.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     logging.getLogger("torch.multiprocessing").setLevel(logging.ERROR)  # "Terminating process ..." notes
     start = time.perf_counter()
+    started_at = time.time()
     try:
-        results = elastic_launch(launch_config, _rank_main)(
-            config, task, train_rows, eval_rows, str(errors_dir)
-        )
+        with _fresh_store_per_formation():
+            results = elastic_launch(launch_config, _rank_main)(
+                config, task, train_rows, eval_rows, str(errors_dir)
+            )
     except ChildFailedError as e:
-        raise _first_failure(errors_dir, e) from None
-    summary = results[0]
+        raise _first_failure(errors_dir, e, since=started_at) from None
+    except RendezvousError as e:
+        raise RunFailed(
+            _rendezvous_failure(config, endpoint, e, formed=_ranks_started(log_dir)), rank=None
+        ) from None
+    summary_path = output_dir / "summary.json"
+    # elastic_launch returns this machine's ranks only, by global rank; each says where the summary is.
+    summary_host = next(iter(results.values()))["summary_host"]
+    if FIRST_TRAINER_RANK not in results:
+        return Launched(summary=None, summary_path=summary_path, summary_host=summary_host)
+    summary = results[FIRST_TRAINER_RANK]["summary"]
     # The ranks measured their own run; the whole command also pays for process start and model loads.
     summary["wall_s"] = time.perf_counter() - start
-    summary_path = output_dir / "summary.json"
     summary_path.write_text(
         json.dumps({**json.loads(summary_path.read_text()), "wall_s": summary["wall_s"]}, indent=2) + "\n"
     )
-    return summary
+    return Launched(summary=summary, summary_path=summary_path, summary_host=summary_host)
+
+
+def run_this_rank(
+    config: RunConfig, train_rows: list[dict], eval_rows: list[dict], task: Task | None = None
+) -> Launched | None:
+    """This process's rank, when `torchrun` (or srun of it) started it: the same body as the ranks
+    `launch` starts. Returns what `launch` returns on the first trainer rank, None on the others.
+
+    Raises:
+        ConfigError: torchrun started another number of ranks than the config has, or they do not fit
+            this machine's GPUs.
+        RunFailed: this rank failed (one line; the traceback is in OUTPUT_DIR/errors/rank{r}.json).
+    """
+    world_size, local_world_size = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    if world_size != config.world_size:
+        raise ConfigError(
+            f"torchrun started {world_size} ranks; this config has {config.world_size} "
+            "(ranks.num_trainers + ranks.num_generators): give torchrun --nnodes x --nproc-per-node that many"
+        )
+    check_placement(config, ranks_per_node=local_world_size, cuda_devices=torch.cuda.device_count())
+    output_dir = config.output_dir
+    output_dir.mkdir(parents=True, exist_ok=True)
+    if int(os.environ["RANK"]) == FIRST_TRAINER_RANK:
+        _write_resolved_config(config)
+    errors_dir = output_dir / ERRORS_DIR
+    errors_dir.mkdir(exist_ok=True)
+    task = task if task is not None else load_task(config.task.name, config.task.module)
+    result = _run_rank(config, task, train_rows, eval_rows, str(errors_dir))
+    if result["summary"] is None:
+        return None
+    return Launched(result["summary"], output_dir / "summary.json", result["summary_host"])
+
+
+def under_torchrun() -> bool:
+    """Whether this process is a rank that `torchrun` started (not a launcher that starts ranks)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ and "LOCAL_RANK" in os.environ
+
+
+def _write_resolved_config(config: RunConfig) -> None:
+    """OUTPUT_DIR/config.toml, replaced atomically: every machine writes it, maybe into one folder."""
+    path = config.output_dir / RESOLVED_CONFIG
+    partial = path.with_name(f".{path.name}.{socket.gethostname()}-{os.getpid()}")
+    write_config(config, partial)
+    os.replace(partial, path)
+
+
+@contextlib.contextmanager
+def _fresh_store_per_formation() -> Iterator[None]:
+    """Has torch elastic give every formation of the ranks a store of its own (hosted by the first
+    rank on a port chosen for that formation) instead of one shared by the agent across restarts.
+
+    With the shared store, a restarted rank could read keys a rank of the previous attempt left there,
+    and a machine that comes back after a loss counts its attempts from 0 while the others count from
+    1, so no per-attempt key prefix is agreed on either. A fresh store per formation needs neither.
+    """
+    name = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+    before = os.environ.get(name)
+    os.environ[name] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
+def _ranks_started(log_dir: Path) -> bool:
+    """Whether torch elastic started ranks on this machine (it makes their log folders first)."""
+    return any(log_dir.glob("*/attempt_*"))
+
+
+def _rendezvous_failure(config: RunConfig, endpoint: str, error: RendezvousError, *, formed: bool) -> str:
+    """One line for a rendezvous that failed: machines that never formed the job, or, once it ran, the
+    loss of the machine that hosts the rendezvous (every agent keeps talking to it)."""
+    launch = config.launch
+    if launch.nnodes == 1:
+        return f"the ranks could not meet: {type(error).__name__}: {error}"
+    if formed:
+        return (
+            f"the machine hosting the rendezvous ({endpoint}) was lost: the job stopped with it "
+            f"({type(error).__name__})"
+        )
+    return (
+        f"the {launch.nnodes} machines did not form the job at {endpoint} within {launch.timeout_s:.0f} s "
+        f"({type(error).__name__}); run the same command, with the same --nnodes, --rdzv-endpoint and "
+        f"--launch.rdzv-id ({launch.run_id}), on every machine"
+    )
 
 
 def _rank_main(
     config: RunConfig, task: Task, train_rows: list[dict], eval_rows: list[dict], errors_dir: str
-) -> dict[str, Any] | None:
-    """The body of every rank. On error it records its traceback and exits non-zero without printing."""
+) -> dict[str, Any]:
+    """The body of every rank `launch` starts. On error it records its traceback and exits non-zero
+    without printing (the launcher prints the first failure once)."""
     try:
-        register_task(task)  # a task given in code is known by its name here too
-        if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-            # torch elastic restarted the ranks after a failure: continue from the latest checkpoint.
-            config = replace_in(config, **{"checkpoint.resume": True})
+        return _run_rank(config, task, train_rows, eval_rows, errors_dir)
+    except BaseException:
+        os._exit(1)
+
+
+def _run_rank(
+    config: RunConfig, task: Task, train_rows: list[dict], eval_rows: list[dict], errors_dir: str
+) -> dict[str, Any]:
+    """One rank, start to end: {"summary": the summary on the first trainer rank (else None),
+    "summary_host": the machine that has it}. A failure is recorded in `errors_dir`, then raised as
+    `RunFailed`."""
+    rank = int(os.environ.get("RANK", -1))
+    Path(errors_dir, f"rank{rank}.json").unlink(missing_ok=True)  # a previous run's
+    nodes = NodeWatch()
+    try:
+        # Before any CUDA work: this rank's GPU becomes the current device (FSDP2 shards land there).
+        pin_rank(this_rank_placement(config))
         torch.set_num_threads(config.ranks.threads_per_rank or _default_threads(config))
         _quiet_libraries()
         _init_default_group(config.launch.timeout_s)
+        nodes.start()
+        register_task(task)  # a task given in code is known by its name here too
+        if _restarted():
+            # torch elastic restarted the ranks after a failure: continue from the latest checkpoint.
+            config = replace_in(config, **{"checkpoint.resume": True})
+        from llamarl.control.spmd import run_rank  # the ranks' code: not imported by the launcher itself
+
         summary = run_rank(config, train_rows, eval_rows)  # closes its side, also on failure
+        nodes.stop()
         dist.destroy_process_group()
-        return summary
+        return {"summary": summary, "summary_host": os.environ.get("MASTER_ADDR", socket.gethostname())}
     except BaseException as e:
-        rank = int(os.environ.get("RANK", -1))
+        failed_at = time.time()
+        # A rank failing because a machine went away names that machine (its heartbeat stood still).
+        lost = nodes_as_records(nodes.lost_nodes()) if dist.is_initialized() else []
+        nodes.stop()
         record = {
             "rank": rank,
-            "time": time.time(),
+            "time": failed_at,
             "error": f"{type(e).__name__}: {e}",
             "traceback": traceback.format_exc(),
+            "lost_nodes": lost,
         }
         Path(errors_dir, f"rank{rank}.json").write_text(json.dumps(record))
         # Torch elastic reports only the first exit it sees. A rank failing because a peer was killed
         # (closed connection) must not exit before the launcher has seen that peer's death, or the
         # run would be blamed on the wrong rank; a short grace period orders the two exits.
-        time.sleep(max(0.0, record["time"] + EXIT_GRACE_S - time.time()))
-        os._exit(1)  # no traceback on stderr: the launcher prints the first failure once
+        time.sleep(max(0.0, failed_at + EXIT_GRACE_S - time.time()))
+        message = describe_lost(lost) if lost else f"rank {rank} failed: {record['error']}"
+        restarts_left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) - int(
+            os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        )
+        if lost and restarts_left > 0:
+            # Nothing else tells the user why the job stalls: it waits for the machine to come back.
+            print(
+                f"rank {rank}: {message}; the job restarts when every machine is back "
+                f"(within launch.timeout_s; {restarts_left} restarts left)",
+                file=sys.stderr,
+                flush=True,
+            )
+        raise RunFailed(message, rank=rank) from None
+
+
+def _restarted() -> bool:
+    """Whether this formation of the ranks follows a failure: any rank was restarted by its machine's
+    agent. Asked of every rank, since a machine that came back after a loss counts its attempts from 0."""
+    count = torch.tensor([int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))])
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return int(count) > 0
 
 
 def _init_default_group(timeout_s: float) -> None:
-    """The default (gloo) process group, on a store namespace of its own for each restart attempt.
+    """The default (gloo) process group: rollouts and small control messages, all CPU tensors.
 
-    Under torch elastic the ranks reach the agent's store, which outlives a restart; with plain env://
-    init a restarted rank could read the gloo address a killed rank of the previous attempt left there
-    and time out connecting to it (seen here: restarted ranks that never met). Prefixing the keys with
-    the attempt number keeps every attempt to its own.
+    `launch` has torch elastic make a fresh store for every formation of the ranks (plain env:// init).
+    Under torchrun the ranks reach the agent's store, which outlives a restart; with plain env:// init
+    a restarted rank could read the gloo address a killed rank of the previous attempt left there and
+    time out connecting to it (seen here: restarted ranks that never met). Prefixing the keys with the
+    attempt number keeps every attempt to its own (a machine that comes back after a loss counts from
+    0 again: run torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 where machines may come back).
     """
     timeout = timedelta(seconds=timeout_s)
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
@@ -163,12 +350,14 @@ def _default_threads(config: RunConfig) -> int:
     cores = os.cpu_count() or 1
     if config.schedule.mode == "sync":
         return cores  # ranks take turns, so each may use every core
-    per_node = config.world_size // config.launch.nnodes
+    # Under torchrun the machines are torchrun's (--nnodes), not launch.nnodes.
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", config.world_size // config.launch.nnodes))
     return max(1, cores // per_node)
 
 
-def _first_failure(errors_dir: Path, error: ChildFailedError) -> RunFailed:
-    """The failure that started it: a rank killed by a signal, else the earliest recorded error.
+def _first_failure(errors_dir: Path, error: ChildFailedError, *, since: float) -> RunFailed:
+    """The failure that started it: a rank killed by a signal, a machine lost, else the earliest recorded
+    error (records older than `since`, the launch, are another run's).
 
     Later errors are usually peers noticing the first one (a closed connection), so they are not shown.
     """
@@ -178,13 +367,16 @@ def _first_failure(errors_dir: Path, error: ChildFailedError) -> RunFailed:
             record = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
             continue
-        records[record["rank"]] = record
+        if record["time"] >= since:
+            records[record["rank"]] = record
     # A rank that died without raising (killed, out of memory, segfault) recorded nothing.
     for rank, failure in sorted(error.failures.items()):
         if rank not in records and failure.exitcode < 0 and failure.signal_name() != "SIGTERM":
             return RunFailed(f"rank {rank} died ({failure.signal_name()})", rank=rank)
     if records:
         first = min(records.values(), key=lambda r: r["time"])
+        if first.get("lost_nodes"):
+            return RunFailed(describe_lost(first["lost_nodes"]), rank=first["rank"])
         return RunFailed(f"rank {first['rank']} failed:\n{first['traceback'].rstrip()}", rank=first["rank"])
     rank, failure = error.get_first_failure()
     return RunFailed(f"rank {rank} exited with code {failure.exitcode}", rank=rank)

@@ -18,12 +18,15 @@ import logging
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llamarl.control.cli import parse_run_config
 from llamarl.control.config import ConfigError, RunConfig, replace_in
 from llamarl.control.task_registry import load_task, register_task
 from llamarl.control.tasks import DataError, Task, TaskError, load_rows
+
+if TYPE_CHECKING:
+    from llamarl.control.launcher import Launched
 
 CUDA_DEFAULT_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
 
@@ -59,7 +62,12 @@ def train(task: Task | str | None = None, argv: list[str] | None = None, **setti
         RunFailed: a rank failed; its original error.
     """
     config, task_object = configure(task, argv or [], settings)
-    return run(config, task_object)
+    launched = run(config, task_object)
+    if launched is None or launched.summary is None:
+        raise RuntimeError(
+            "train() returns the summary on the machine of the first trainer rank; use main() on the others"
+        )
+    return launched.summary
 
 
 def configure(
@@ -76,9 +84,11 @@ def configure(
     return config, load_task(config.task.name, config.task.module)
 
 
-def run(config: RunConfig, task: Task, resolve_data: DataResolver | None = None) -> dict[str, Any]:
-    """Resolves the model and the rows of a validated config, then launches the ranks."""
-    from llamarl.control.launcher import launch
+def run(config: RunConfig, task: Task, resolve_data: DataResolver | None = None) -> Launched | None:
+    """Resolves the model and the rows of a validated config, then launches this machine's ranks, or,
+    under torchrun, runs this process's rank. Returns what the job left here (None on a torchrun rank
+    other than the first trainer rank)."""
+    from llamarl.control.launcher import launch, run_this_rank, under_torchrun
 
     changes: dict[str, Any] = {"model": resolve_model(config.model, config.ranks.device)}
     if resolve_data is not None:
@@ -91,6 +101,8 @@ def run(config: RunConfig, task: Task, resolve_data: DataResolver | None = None)
         raise ConfigError(
             f"--eval-size {config.eval.size} is larger than the test split ({len(test_rows)} rows)"
         )
+    if under_torchrun():  # this process is one rank
+        return run_this_rank(config, train_rows, test_rows, task)
     return launch(config, train_rows, test_rows, task)
 
 
@@ -111,7 +123,7 @@ def main(
     logging.basicConfig(level=logging.WARNING, format=f"{prog}: warning: %(message)s")
     try:
         config, task_object = configure(task, sys.argv[1:] if argv is None else argv, prog=prog)
-        summary = run(config, task_object, resolve_data)
+        launched = run(config, task_object, resolve_data)
     except (ConfigError, TaskError, DataError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
@@ -121,6 +133,13 @@ def main(
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
+    if launched is None:  # a rank under torchrun other than the first trainer rank
+        return 0
+    if launched.summary is None:  # another machine of the job holds the first trainer rank
+        where = f"{launched.summary_path} on {launched.summary_host}"
+        print(f"summary: {where} (the machine of the first trainer rank)")
+        return 0
+    summary = launched.summary
     print(json.dumps({k: summary[k] for k in SUMMARY_SHOWN if k in summary}, indent=2))
     print(f"summary: {config.output_dir / 'summary.json'}")
     return 0
@@ -157,10 +176,11 @@ def check_generator(config: RunConfig) -> None:
     """`--generator vllm` needs the vLLM environment and a local model folder: say so before ranks start."""
     if config.generator.backend != "vllm":
         return
+    from llamarl.control.devices import uses_cuda
     from llamarl.exec.vllm_env import VLLMEnvironmentError, find_vllm_python
 
     try:
-        find_vllm_python(config.generator.vllm_python)
+        find_vllm_python(config.generator.vllm_python, cuda=uses_cuda(config))
     except VLLMEnvironmentError as e:
         raise ConfigError(f"--generator vllm: {e}") from None
     if not Path(config.model, "config.json").is_file():

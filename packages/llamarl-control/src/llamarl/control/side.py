@@ -30,7 +30,7 @@ import torch.distributed as dist
 from llamarl.control import checkpoint as ckpt
 from llamarl.control.channels.weights import FIRST_TRAINER_RANK, WeightChannelAddress, weight_channel_address
 from llamarl.control.config import RunConfig
-from llamarl.control.devices import rank_device
+from llamarl.control.devices import group_backend, rank_device
 from llamarl.control.evaluation import EvalResult
 from llamarl.control.faults import FaultInjector
 from llamarl.control.prompts import load_tokenizer
@@ -142,12 +142,13 @@ class Side:
     def setup(self) -> None:
         """Loads the models, opens the channels, and on resume loads this rank's part of the checkpoint."""
         cfg = self.config
-        self.device = rank_device(cfg.ranks.device)
+        self.device = rank_device(cfg)
         torch.manual_seed(cfg.seed + self.rank)
         self.tokenizer = load_tokenizer(cfg.model)
         # The trainer ranks' own group (FSDP2 and the trainer's all-reduces, never involving the
-        # generators); every rank must take part in creating it, members or not.
-        self.trainer_group = dist.new_group(self.trainer_ranks)
+        # generators); every rank must take part in creating it, members or not. On CUDA its GPU
+        # tensors go over NCCL and its CPU bookkeeping over gloo (llamarl.control.devices).
+        self.trainer_group = dist.new_group(self.trainer_ranks, backend=group_backend(self.device))
         self.build_executors()
         address = weight_channel_address(self.rank, self.world_size)
         self.checkpoints = None

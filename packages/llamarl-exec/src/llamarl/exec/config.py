@@ -102,13 +102,23 @@ class GeneratorConfig(ConfigSection):
 
     backend: Literal["hf", "vllm"] = "hf"
     """hf: transformers' generate in the rank; vllm: a vLLM engine per generator rank, in its own process
-    and environment (tools/setup_vllm_env.sh builds it)"""
+    (on CUDA this environment with llamarl-exec[vllm]; on the CPU the one tools/setup_vllm_env.sh builds)"""
     vllm_python: str | None = None
-    """interpreter of the vLLM environment (unset: $LLAMARL_VLLM_PYTHON, else the cached one)"""
+    """interpreter of the vLLM environment (unset: $LLAMARL_VLLM_PYTHON, else this one on CUDA, the
+    cached CPU one on the CPU)"""
     max_model_len: int | None = Field(None, ge=1)
     """vLLM: prompt + completion token limit of each engine (unset: the model's own)"""
-    max_num_seqs: int = Field(64, ge=1)
-    """vLLM: sequences an engine schedules at once"""
+    max_num_seqs: int | None = Field(None, ge=1)
+    """vLLM: sequences an engine schedules at once (unset: one request's, prompts_per_step /
+    num_generators x samples_per_prompt)"""
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    """CUDA: share of its GPU's memory a generator may take (vLLM: weights, activations and KV cache;
+    hf: the rank's allocator cap)"""
+    cuda_graphs: bool = True
+    """vLLM on CUDA: compile and capture CUDA graphs for decoding (off: eager, starts faster)"""
+    async_scheduling: bool = True
+    """vLLM on CUDA: schedule the next engine step while one runs (never in stream mode, where weights
+    load between two steps of the requests in flight)"""
     kv_cache_gib: int = Field(1, ge=1)
     """vLLM on the CPU: KV cache size of each engine, GiB"""
     max_engine_restarts: int = Field(3, ge=0)

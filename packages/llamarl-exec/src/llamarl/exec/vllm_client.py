@@ -54,8 +54,9 @@ class EngineLost(EngineError):
 class EngineClient:
     """One engine process and the connection to it.
 
-    `server_args` are `vllm_server.py`'s flags (model, dtype, ...); `num_threads` and `kv_cache_gib` go
-    into the engine's environment. Every call waits at most `timeout_s` unless given its own deadline;
+    `server_args` are `vllm_server.py`'s flags (model, dtype, ...); `num_threads`, `kv_cache_gib` and
+    `device` (the generator rank's: "cuda:i" gives the engine that GPU alone) go into the engine's
+    environment. Every call waits at most `timeout_s` unless given its own deadline;
     the start waits at most `start_timeout_s`. The engine's output is appended to `log_path`.
     """
 
@@ -69,8 +70,10 @@ class EngineClient:
         log_path: Path,
         start_timeout_s: float,
         timeout_s: float,
+        device: str = "cpu",
     ) -> None:
         self.server_args = server_args
+        self.device = device
         self.vllm_python = vllm_python
         self.num_threads = num_threads
         self.kv_cache_gib = kv_cache_gib
@@ -89,7 +92,7 @@ class EngineClient:
 
     def start(self) -> None:
         """Starts an engine process (appending to the log) and waits until it serves."""
-        python = find_vllm_python(self.vllm_python)
+        python = find_vllm_python(self.vllm_python, cuda=self.device.startswith("cuda"))
         ours, theirs = socket.socketpair()
         # -P: the script's folder (llamarl/exec, with a types.py) must not shadow the standard library.
         command = [python, "-P", str(_SERVER), "--fd", str(theirs.fileno()), *self.server_args]
@@ -100,7 +103,9 @@ class EngineClient:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env=engine_env(num_threads=self.num_threads, kv_cache_gib=self.kv_cache_gib),
+                env=engine_env(
+                    num_threads=self.num_threads, kv_cache_gib=self.kv_cache_gib, device=self.device
+                ),
                 pass_fds=(theirs.fileno(),),
             )
         theirs.close()

@@ -86,16 +86,27 @@ class VLLMGenerator:
         start_timeout_s: float = 300.0,
         timeout_s: float = 600.0,
         log_path: str | None = None,
+        device: str = "cpu",
+        batch_sequences: int = 64,
+        in_flight_updates: bool = True,
     ) -> None:
         """`model`: the local transformers folder (safetensors) the engine serves; the trainer starts
         from it. `dtype`: engine weights and compute (the trainer sends in it). `seed`: the engine's;
         each generate derives its request seed from it. `num_threads`: CPU threads of the engine
         process. `start_timeout_s` bounds the engine's start (imports, model load), `timeout_s` every
         other call (a generate, a weight sync). `log_path`: where the engine's output goes (default: a
-        temporary file, deleted after a clean close)."""
+        temporary file, deleted after a clean close). `device`: the generator rank's ("cuda:i": the
+        engine runs on that GPU alone, with engine.gpu_memory_utilization of it, CUDA graphs and async
+        scheduling as `engine` says). `batch_sequences`: the sequences one generate asks for, what
+        the engine schedules at once unless engine.max_num_seqs says otherwise. `in_flight_updates`:
+        whether weights may load while a generate runs (stream mode); the engine then never schedules
+        asynchronously, so that each step's tokens are stamped with the weights that computed them."""
         self.model_name = model
         self.sampling = sampling
         self.engine = engine
+        self.device = device
+        self.batch_sequences = batch_sequences
+        self.supports_in_flight_updates = in_flight_updates
         self.dtype = dtype
         self.seed = seed
         self.num_threads = num_threads
@@ -124,25 +135,39 @@ class VLLMGenerator:
             os.close(fd)
             log_path = Path(name)
             self._temporary_log = True
-        server_args = [
-            "--model", str(self.model_name),
-            "--dtype", self.dtype,
-            "--max-num-seqs", str(self.engine.max_num_seqs),
-            "--num-threads", str(self.num_threads),
-            "--seed", str(self.seed or 0),
-        ]  # fmt: skip
-        if self.engine.max_model_len is not None:
-            server_args += ["--max-model-len", str(self.engine.max_model_len)]
         self._client = EngineClient(
-            server_args=server_args,
+            server_args=self.server_args(),
             vllm_python=self.engine.vllm_python,
             num_threads=self.num_threads,
             kv_cache_gib=self.engine.kv_cache_gib,
             log_path=log_path,
             start_timeout_s=self.start_timeout_s,
             timeout_s=self.timeout_s,
+            device=self.device,
         )
         self._client.start()
+
+    def server_args(self) -> list[str]:
+        """The engine process's flags (`llamarl.exec.vllm_server`): what the vLLM engine is built with."""
+        engine = self.engine
+        cuda = self.device.startswith("cuda")
+        args = [
+            "--model", str(self.model_name),
+            "--dtype", self.dtype,
+            "--max-num-seqs", str(engine.max_num_seqs or self.batch_sequences),
+            "--num-threads", str(self.num_threads),
+            "--seed", str(self.seed or 0),
+            "--device", "cuda" if cuda else "cpu",
+            "--gpu-memory-utilization", str(engine.gpu_memory_utilization),
+        ]  # fmt: skip
+        if engine.max_model_len is not None:
+            args += ["--max-model-len", str(engine.max_model_len)]
+        if cuda and engine.cuda_graphs:
+            args.append("--cuda-graphs")
+        # Tokens of a step scheduled ahead would be stamped with the version of weights loaded after it.
+        if cuda and engine.async_scheduling and not self.supports_in_flight_updates:
+            args.append("--async-scheduling")
+        return args
 
     @property
     def engine_pid(self) -> int | None:

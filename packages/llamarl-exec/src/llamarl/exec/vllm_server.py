@@ -57,22 +57,8 @@ class Engine:
         torch.set_num_threads(args.num_threads)
         start = time.monotonic()
         self.conn = conn
-        self.llm = LLM(
-            model=args.model,
-            worker_extension_cls=WORKER_EXTENSION_CLS,
-            enforce_eager=True,  # no graph capture / compilation: starts in seconds on the CPU
-            dtype=args.dtype,
-            max_model_len=args.max_model_len,
-            max_num_seqs=args.max_num_seqs,
-            seed=args.seed,
-            # Log-probs of the distribution actually sampled, log softmax(z / T): what AIPO divides by.
-            # The default, raw_logprobs, is taken before temperature.
-            logprobs_mode="processed_logprobs",
-            # One engine step = one model step whose outputs step() returns: the per-token policy
-            # versions below stamp a step's tokens with the weights loaded when it ran. (The CPU platform
-            # turns async scheduling off anyway; said here because the stamping relies on it.)
-            async_scheduling=False,
-        )
+        self.async_scheduling = args.async_scheduling
+        self.llm = LLM(**llm_kwargs(args, worker_extension_cls=WORKER_EXTENSION_CLS))
         self.info = {
             "vllm": __import__("vllm").__version__,
             "torch": torch.__version__,
@@ -273,6 +259,10 @@ class Engine:
             if method not in NESTED_METHODS:
                 self.conn.send(("error", f"{method} is not allowed while a generate is in flight", method))
                 continue
+            if method == "receive_weights" and self.async_scheduling:
+                # A step scheduled ahead would run on the new weights with tokens stamped as the old.
+                self.conn.send(("error", "weights cannot load mid-generate with async scheduling", method))
+                continue
             try:
                 reply = ("ok", getattr(self, method)(**kwargs), method)
             except BaseException:
@@ -337,6 +327,50 @@ class Engine:
         self.llm.collective_rpc("close_weight_sync")
 
 
+def llm_kwargs(args: argparse.Namespace, *, worker_extension_cls: str) -> dict[str, Any]:
+    """The keyword arguments the engine's `vllm.LLM` is built with, from this script's flags."""
+    cuda = args.device == "cuda"
+    kwargs: dict[str, Any] = dict(
+        model=args.model,
+        worker_extension_cls=worker_extension_cls,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        seed=args.seed,
+        # Log-probs of the distribution actually sampled, log softmax(z / T): what AIPO divides by.
+        # The default, raw_logprobs, is taken before temperature.
+        logprobs_mode="processed_logprobs",
+        # CUDA graphs (and vLLM's compilation) on CUDA unless turned off; never on the CPU, where no
+        # graph capture or compilation lets the engine start in seconds.
+        enforce_eager=not (cuda and args.cuda_graphs),
+        # Off, one engine step = one model step whose outputs step() returns: the per-token policy
+        # versions stamp a step's tokens with the weights loaded when it ran, which in-flight updates
+        # (stream mode) rely on. On only where no weights load mid-generate (lock-step modes, CUDA).
+        async_scheduling=cuda and args.async_scheduling,
+    )
+    if cuda:
+        # vLLM's default takes 90% of the GPU and refuses to start when less is free.
+        kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
+    return kwargs
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """This script's flags (what `VLLMGenerator.server_args` passes)."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--fd", type=int, required=True, help="this end of the socket pair to the generator")
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--max-model-len", type=int, default=None, help="default: the model's limit")
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--num-threads", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--cuda-graphs", action="store_true", help="CUDA: no enforce_eager")
+    parser.add_argument("--async-scheduling", action="store_true", help="CUDA, lock-step modes only")
+    return parser.parse_args(argv)
+
+
 def exit_with_parent(poll_s: float = 1.0) -> None:
     """Ends this process when the generator process that started it is gone.
 
@@ -358,15 +392,7 @@ def exit_with_parent(poll_s: float = 1.0) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--fd", type=int, required=True, help="this end of the socket pair to the generator")
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--max-model-len", type=int, default=None, help="default: the model's limit")
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--num-threads", type=int, default=1)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args = parse_args()
     conn = Connection(args.fd)
     exit_with_parent()
     try:
