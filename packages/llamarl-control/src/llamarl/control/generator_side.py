@@ -57,7 +57,7 @@ class GeneratorSide(Side):
     def _build_generator(self) -> Generator:
         cfg = self.config
         seed = cfg.seed + self.rank
-        dtype = generation_dtype(self.device)
+        dtype = generation_dtype(cfg.generator.precision, self.device)
         if cfg.generator.backend == "vllm":
             return VLLMGenerator(
                 cfg.model,
@@ -72,7 +72,9 @@ class GeneratorSide(Side):
                 timeout_s=cfg.launch.timeout_s,
                 log_path=str(self.output_dir / "logs" / f"vllm_engine.rank{self.rank}.log"),
             )
-        return HFGenerator(cfg.model, cfg.sampling, device=str(self.device), dtype=dtype, seed=seed)
+        return HFGenerator(
+            cfg.model, cfg.sampling, device=str(self.device), dtype=dtype, lora=cfg.trainer.lora, seed=seed
+        )
 
     def open_channels(self, address: WeightChannelAddress) -> None:
         cfg = self.config

@@ -9,6 +9,7 @@ the rank itself to OUTPUT_DIR/errors/) once, and raises `RunFailed`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -29,7 +30,9 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from llamarl.control.cli import RESOLVED_CONFIG, write_config
 from llamarl.control.config import RunConfig, replace_in
 from llamarl.control.faults import ERRORS_DIR
+from llamarl.control.memory import memory_summary, own_peak
 from llamarl.control.net import free_port
+from llamarl.control.report import write_report
 from llamarl.control.spmd import run_rank
 from llamarl.control.tasks import Example
 
@@ -81,12 +84,19 @@ def launch(config: RunConfig, train_examples: list[Example], eval_examples: list
     except ChildFailedError as e:
         raise _first_failure(errors_dir, e) from None
     summary = results[0]
-    # The ranks measured their own run; the whole command also pays for process start and model loads.
-    summary["wall_s"] = time.perf_counter() - start
+    # The ranks measured their own run; the whole command also pays for process start and model loads,
+    # and this process (the launcher) holds memory too.
+    added = {
+        "wall_s": time.perf_counter() - start,
+        **memory_summary([*summary["memory_per_process"], own_peak("launcher")]),
+    }
+    summary.update(added)
     summary_path = output_dir / "summary.json"
-    summary_path.write_text(
-        json.dumps({**json.loads(summary_path.read_text()), "wall_s": summary["wall_s"]}, indent=2) + "\n"
-    )
+    summary_path.write_text(json.dumps({**json.loads(summary_path.read_text()), **added}, indent=2) + "\n")
+    # The report's memory line now counts the launcher too. A picture never fails a finished run: the
+    # first trainer rank drew it already (and said so if it could not).
+    with contextlib.suppress(Exception):
+        write_report(output_dir)
     return summary
 
 
