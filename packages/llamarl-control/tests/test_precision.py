@@ -53,7 +53,7 @@ def test_lora_is_a_nested_trainer_setting_and_refused_with_vllm_in_one_line():
     )
     assert config.trainer.lora.rank == 8 and config.trainer.lora.targets == ["q_proj", "v_proj"]
     assert config.trainer.lora.scale_alpha == 16
-    with pytest.raises(ConfigError, match="trainer.lora.rank > 0 needs generator.backend hf"):
+    with pytest.raises(ConfigError, match=r"trainer\.lora\.rank > 0 needs generator\.backend hf"):
         parse_run_config(
             ["--trainer.lora.rank", "8", "--generator", "vllm"], task="gsm8k", prog="gsm8k_rl", description=""
         )
