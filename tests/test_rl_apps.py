@@ -255,6 +255,23 @@ def test_app_trains_on_two_fsdp2_trainer_ranks(tiny_model_dir, gsm8k_dir, tmp_pa
     assert roles == {0: "rank 0 trainer 0", 1: "rank 1 trainer 1", 2: "rank 2 generator 2"}
 
 
+@pytest.mark.timeout(600)
+def test_app_trains_lora_adapters_and_saves_the_merged_model(tiny_model_dir, gsm8k_dir, tmp_path):
+    """LoRA end to end: the trainer trains adapters, syncs send only them to the hf generator, and the
+    final model is a plain transformers folder with the adapters merged."""
+    out = tmp_path / "lora"
+    args = [a for a in common_args(tiny_model_dir, gsm8k_dir, out) if a != "--no-save-model"]
+    result = run_app("gsm8k_rl", *args, "--no-wandb", "--trainer.lora.rank", "4", "--steps", "2")
+    assert result.returncode == 0, result.stderr[-4000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["final_policy_version"] == 2 and summary["weight_sync_s"] > 0
+    from transformers import AutoModelForCausalLM
+
+    saved = AutoModelForCausalLM.from_pretrained(out / "final_model").state_dict()
+    initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    assert {k: v.shape for k, v in saved.items()} == {k: v.shape for k, v in initial.items()}
+
+
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("fault", ["1:1", "0:2", "1:1:kill"])
 def test_a_failing_rank_ends_the_run_with_its_error_once(tiny_model_dir, gsm8k_dir, tmp_path, fault):
