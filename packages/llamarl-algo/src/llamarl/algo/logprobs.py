@@ -153,12 +153,16 @@ class _LinearTokenLogprobs(torch.autograd.Function):
         token_ids_N: Tensor,
         temperature: float,
         chunk_size: int,
+        shape: tuple[int, ...],
     ) -> tuple[Tensor, Tensor]:
         num_tokens = hidden_NH.shape[0]
         compute_dtype = _compute_dtype(hidden_NH.dtype)
-        logprobs_N = hidden_NH.new_empty(num_tokens, dtype=compute_dtype)
-        entropy_N = torch.empty_like(logprobs_N)
-        lse_N = torch.empty_like(logprobs_N)
+        # Outputs are allocated in the caller's shape (not views of flat ones: a module returning a view
+        # of a custom function's output trips FSDP2's checks), written through flat views.
+        logprobs = hidden_NH.new_empty(shape, dtype=compute_dtype)
+        entropy = torch.empty_like(logprobs)
+        logprobs_N, entropy_N = logprobs.view(-1), entropy.view(-1)
+        lse_N = hidden_NH.new_empty(num_tokens, dtype=compute_dtype)
         for first in range(0, num_tokens, chunk_size):
             rows = slice(first, first + chunk_size)
             # The matrix product runs in the inputs' dtype (bf16 under mixed precision: the fast path);
@@ -173,12 +177,13 @@ class _LinearTokenLogprobs(torch.autograd.Function):
         ctx.save_for_backward(hidden_NH, weight_VH, token_ids_N, lse_N)
         ctx.temperature = temperature
         ctx.chunk_size = chunk_size
-        ctx.mark_non_differentiable(entropy_N)  # a metric: no gradient flows through it
-        return logprobs_N, entropy_N
+        ctx.mark_non_differentiable(entropy)  # a metric: no gradient flows through it
+        return logprobs, entropy
 
     @staticmethod
-    def backward(ctx, grad_N: Tensor, _grad_entropy_N: Tensor | None):
+    def backward(ctx, grad: Tensor, _grad_entropy: Tensor | None):
         hidden_NH, weight_VH, token_ids_N, lse_N = ctx.saved_tensors
+        grad_N = grad.reshape(-1)
         temperature, chunk_size = ctx.temperature, ctx.chunk_size
         compute_dtype = _compute_dtype(hidden_NH.dtype)
         want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -204,7 +209,7 @@ class _LinearTokenLogprobs(torch.autograd.Function):
                 grad_weight_VH += (grad_nV.T @ hidden_nH).to(compute_dtype)
         if grad_weight_VH is not None:
             grad_weight_VH = grad_weight_VH.to(weight_VH.dtype)
-        return grad_hidden_NH, grad_weight_VH, None, None, None
+        return grad_hidden_NH, grad_weight_VH, None, None, None, None
 
 
 def linear_token_logprobs(
@@ -251,11 +256,11 @@ def linear_token_logprobs(
         )
     if weight_VH.dtype != hidden_NH.dtype:
         weight_VH = weight_VH.to(hidden_NH.dtype)  # (differentiable: the gradient is cast back)
-    logprobs_N, entropy_N = _LinearTokenLogprobs.apply(
+    return _LinearTokenLogprobs.apply(
         hidden_NH.reshape(-1, hidden_NH.shape[-1]),
         weight_VH,
         token_ids_N.reshape(-1).long(),
         float(temperature),
         int(chunk_size),
+        tuple(token_ids_N.shape),
     )
-    return logprobs_N.view(token_ids_N.shape), entropy_N.view(token_ids_N.shape)
