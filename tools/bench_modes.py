@@ -135,15 +135,15 @@ class FlopFloor:
         if not groups:
             return 0.0
         lengths = [
-            len(
-                self.tokenizer.apply_chat_template(
-                    TASKS["gsm8k"].messages(Example(question=q, reference="")), add_generation_prompt=True
-                )
-            )
-            for _, _, q in groups
+            self._prompt_length(TASKS["gsm8k"].messages(Example(question=q, reference="")))
+            for *_, q in groups
         ]
         steps = len({(tick, name) for tick, name, _ in groups})
         return sum(lengths) / steps
+
+    def _prompt_length(self, messages: list[dict[str, str]]) -> int:
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return len(ids["input_ids"] if hasattr(ids, "keys") else ids)  # (a BatchEncoding in transformers 5)
 
     def seconds(self, summary: dict, out: Path, threads: int) -> float:
         tokens = summary["num_completion_tokens"] / max(summary["steps"], 1) + self.prompt_tokens_per_step(
