@@ -1,14 +1,23 @@
-"""The three schedules side by side on the same work: `uv run tools/bench_modes.py [--modes ...]`.
+"""llamarl's schedules, precisions and generators against TRL's GRPOTrainer on the same work:
+`uv run tools/bench_modes.py`.
 
-Runs the GSM8K app once per mode (sync, async, stream by default) with the same model, prompts and
-lengths, one after the other on this machine, and prints per mode: seconds per step, completion
-tokens trained per second, the generate and train time per batch, the weight sync, the best step
-time the schedule can reach with those phase times (max(generate, train) + sync when they overlap,
-their sum in sync mode), the step time over that bound, and the staleness and idle figures. Ratios
-are against the first mode.
+Runs the GSM8K app once per (generator, precision, mode), and TRL's GRPOTrainer training loop once per
+precision (tools/bench_trl.py, through `uv run --with trl==...`: TRL is not a project dependency), one
+after the other on this machine, with the same model, prompts and lengths. Prints per run: seconds per
+step, completion tokens trained per second and its ratio to TRL's at the same precision, the generate
+and train time per batch, the weight sync, the best step time the schedule can reach with those phase
+times (max(generate, train) + sync when they overlap, their sum in sync mode) and the step time over it,
+the train time over the bf16 FLOP floor of the step, the staleness figures, and the peak memory of every
+process of the run (ranks, engines, reward workers, launcher) and its ratio to TRL's.
 
-Defaults are the issue's benchmark: SmolLM2-135M-Instruct, 4 prompts x 4 samples x 128 new tokens,
-6 steps, no evaluation.
+The bf16 FLOP floor of a training step: 6 x parameters x tokens forwarded (each group's prompt once plus
+every completion token) over the rate of a bf16 matrix product of the trainer's shapes measured here
+with the trainer's threads (all cores in sync mode, their share otherwise).
+
+Defaults are the issue's benchmark: SmolLM2-135M-Instruct, 4 prompts x 4 samples x 128 new tokens, 6
+steps, no evaluation. The issue's targets: tokens/s >= 3x TRL at the same precision, peak memory <= 1/2
+of TRL's, train time <= 1.5x the floor. Figures need an otherwise idle machine; `uptime` before and
+after (printed) says whether it was.
 """
 
 from __future__ import annotations
@@ -22,46 +31,136 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+PRECISION_FLAGS = {"fp32": "fp32", "bf16": "bf16"}
 
 
-def run_mode(mode: str, args: argparse.Namespace, out: Path) -> dict:
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def run_llamarl(mode: str, generator: str, precision: str, args: argparse.Namespace, out: Path) -> dict:
     command = [
         sys.executable, str(REPO / "apps" / "gsm8k_rl"), "--mode", mode,
         "--output-dir", str(out), "--steps", str(args.steps),
         "--prompts-per-step", str(args.prompts_per_step),
         "--samples-per-prompt", str(args.samples_per_prompt),
         "--max-new-tokens", str(args.max_new_tokens), "--eval-size", "0", "--no-wandb", "--no-save-model",
-        "--max-policy-lag", str(args.max_policy_lag), "--generator", args.generator,
+        "--max-policy-lag", str(args.max_policy_lag), "--generator", generator,
+        "--trainer.precision", precision, "--generator.precision", precision,
     ]  # fmt: skip
     if args.model:
         command += ["--model", args.model]
     if args.data:
         command += ["--data", args.data]
     command += args.extra
-    print(f"[{time.strftime('%H:%M:%S')}] {mode}: {' '.join(command[1:])}", flush=True)
+    log(f"llamarl {mode} {generator} {precision}: {' '.join(command[1:])}")
     result = subprocess.run(
         command, capture_output=True, text=True, env={**os.environ, "WANDB_SILENT": "true"}
     )
     if result.returncode != 0:
-        raise SystemExit(f"{mode} failed:\n{result.stderr[-3000:]}")
+        raise SystemExit(f"llamarl {mode} {generator} {precision} failed:\n{result.stderr[-3000:]}")
     summary = json.loads((out / "summary.json").read_text())
-    print(f"[{time.strftime('%H:%M:%S')}] {mode}: done in {summary['wall_s']:.0f} s", flush=True)
+    log(f"llamarl {mode} {generator} {precision}: done in {summary['wall_s']:.0f} s")
     return summary
 
 
-def figures(summary: dict, prompts_per_step: int) -> dict[str, float]:
-    """The headline figures of one run (seconds per batch of `prompts_per_step` prompts)."""
-    records = [
-        json.loads(line) for line in Path(summary["output_dir"], "metrics.jsonl").read_text().splitlines()
-    ]
+def run_trl(precision: str, args: argparse.Namespace, out: Path) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    command = [
+        "uv", "run", "--with", f"trl=={args.trl_version}", str(REPO / "tools" / "bench_trl.py"),
+        "--precision", precision, "--steps", str(args.steps),
+        "--prompts-per-step", str(args.prompts_per_step),
+        "--samples-per-prompt", str(args.samples_per_prompt),
+        "--max-new-tokens", str(args.max_new_tokens), "--json", str(out / "figures.json"),
+    ]  # fmt: skip
+    if args.model:
+        command += ["--model", args.model]
+    if args.data:
+        command += ["--data", args.data]
+    log(f"TRL {precision}: {' '.join(command)}")
+    result = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
+    if result.returncode != 0:
+        raise SystemExit(f"TRL {precision} failed:\n{result.stderr[-3000:]}")
+    figures = json.loads((out / "figures.json").read_text())
+    log(f"TRL {precision}: done, loop {figures['loop_s']:.0f} s")
+    return figures
+
+
+def matmul_gflops(dtype_name: str, threads: int, seconds: float = 1.0) -> float:
+    """GFLOP/s of a [2048, 576] x [576, 1536] product (SmolLM2's MLP shape) with `threads` threads."""
+    import torch
+
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a, b = torch.randn(2048, 576, dtype=dtype), torch.randn(576, 1536, dtype=dtype)
+        a @ b  # warm up
+        count, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            a @ b
+            count += 1
+        return 2 * 2048 * 576 * 1536 * count / (time.perf_counter() - start) / 1e9
+    finally:
+        torch.set_num_threads(previous)
+
+
+class FlopFloor:
+    """The bf16 FLOP floor of a run's training step (see the module doc)."""
+
+    def __init__(self, model: str) -> None:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        with torch.device("meta"):
+            meta = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model))
+        self.parameters = sum(p.numel() for p in meta.parameters())  # tied weights once: the head's
+        self.tokenizer = AutoTokenizer.from_pretrained(model)
+        self._rates: dict[int, float] = {}
+
+    def rate(self, threads: int) -> float:
+        if threads not in self._rates:
+            self._rates[threads] = matmul_gflops("bf16", threads)
+        return self._rates[threads]
+
+    def prompt_tokens_per_step(self, out: Path) -> float:
+        """Each group's prompt once, from the questions the generators logged (chat template applied)."""
+        from llamarl.control.tasks import TASKS, Example
+
+        groups = set()
+        for path in out.glob("samples.rank*.jsonl"):
+            for line in path.read_text().splitlines():
+                row = json.loads(line)
+                groups.add((row["tick"], path.name, row["question"]))
+        if not groups:
+            return 0.0
+        lengths = [
+            self._prompt_length(TASKS["gsm8k"].messages(Example(question=q, reference="")))
+            for *_, q in groups
+        ]
+        steps = len({(tick, name) for tick, name, _ in groups})
+        return sum(lengths) / steps
+
+    def _prompt_length(self, messages: list[dict[str, str]]) -> int:
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return len(ids["input_ids"] if hasattr(ids, "keys") else ids)  # (a BatchEncoding in transformers 5)
+
+    def seconds(self, summary: dict, out: Path, threads: int) -> float:
+        tokens = summary["num_completion_tokens"] / max(summary["steps"], 1) + self.prompt_tokens_per_step(
+            out
+        )
+        return 6 * self.parameters * tokens / (self.rate(threads) * 1e9)
+
+
+def figures(summary: dict, out: Path, args: argparse.Namespace) -> dict[str, float]:
+    """The headline figures of one llamarl run (seconds per batch of `prompts_per_step` prompts)."""
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "train/reward_mean" in r]
     generate_total = sum(r["time/generate_s"] for r in steps)
-    groups_total = sum(r.get("sampling/groups", prompts_per_step) for r in steps)
+    groups_total = sum(r.get("sampling/groups", args.prompts_per_step) for r in steps)
     # A stream generator samples continuously (some groups are dropped as stale): its time per batch
     # is its generate time per group sampled, times the groups of a batch.
-    generate_per_batch = generate_total / groups_total * prompts_per_step
-    # The best a schedule can do with these phase times: overlapped (async, stream) the slower of
-    # generate and train plus the sync; one after the other (sync) their sum.
+    generate_per_batch = generate_total / groups_total * args.prompts_per_step
     if summary["mode"] == "sync":
         bound = generate_per_batch + summary["train_s_mean"] + summary["weight_sync_s"]
     else:
@@ -76,46 +175,89 @@ def figures(summary: dict, prompts_per_step: int) -> dict[str, float]:
         "step_over_bound": summary["step_time_s"] / bound,
         "lag_max": summary["policy_lag_max"],
         "dropped": summary.get("stream", {}).get("dropped_stale_groups", 0),
-        "gen_idle": summary["generator_idle_frac_mean"],
-        "train_idle": summary["trainer_idle_frac_mean"],
         "peak_gb": summary["peak_rss_mb_total"] / 1024,
     }
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--modes", nargs="+", default=["sync", "async", "stream"])
+    p.add_argument(
+        "--modes", nargs="+", default=["sync", "async", "stream"], choices=["sync", "async", "stream"]
+    )
+    p.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=list(PRECISION_FLAGS))
+    p.add_argument("--generators", nargs="+", default=["hf", "vllm"], choices=["hf", "vllm"])
+    p.add_argument("--no-trl", dest="trl", action="store_false", help="llamarl only")
+    p.add_argument("--trl-version", default="1.16.0")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--prompts-per-step", type=int, default=4)
     p.add_argument("--samples-per-prompt", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--max-policy-lag", type=int, default=1)
-    p.add_argument("--generator", default="hf", choices=["hf", "vllm"])
     p.add_argument("--model", help="model folder (default: the app's)")
     p.add_argument("--data", help="GSM8K folder (default: the app's)")
     p.add_argument("--output-dir", type=Path, default=Path("runs/bench_modes"))
-    p.add_argument("extra", nargs=argparse.REMAINDER, help="after --: more app flags for every mode")
+    p.add_argument("--json", type=Path, help="also write every run's figures here")
+    p.add_argument("extra", nargs=argparse.REMAINDER, help="after --: more app flags for every llamarl run")
     args = p.parse_args(argv)
     args.extra = [a for a in args.extra if a != "--"]
-    rows = {}
-    for mode in args.modes:
-        summary = run_mode(mode, args, args.output_dir / mode)
-        summary["output_dir"] = str(args.output_dir / mode)
-        rows[mode] = figures(summary, args.prompts_per_step)
-    load = os.getloadavg()
-    print(f"\nload average after the runs: {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
-    base = rows[args.modes[0]]
-    columns = [  # label, key, format
-        ("step s", "step_s", ".1f"), ("tok/s", "tokens_per_s", ".1f"), ("x tok/s", "speedup", ".2f"),
-        ("gen s", "generate_s", ".1f"), ("train s", "train_s", ".1f"), ("sync s", "sync_s", ".2f"),
-        ("bound s", "bound_s", ".1f"), ("step/bound", "step_over_bound", ".2f"), ("lag", "lag_max", ".0f"),
-        ("dropped", "dropped", ".0f"), ("gen idle", "gen_idle", ".2f"), ("train idle", "train_idle", ".2f"),
-        ("peak GB", "peak_gb", ".1f"),
-    ]  # fmt: skip
-    print(f"{'mode':8}" + "".join(f" {label:>10}" for label, _, _ in columns))
-    for mode, r in rows.items():
-        r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
-        print(f"{mode:8}" + "".join(f" {r[key]:>10{fmt}}" for _, key, fmt in columns))
+    load_before = os.getloadavg()
+    trl: dict[str, dict] = {}
+    if args.trl:
+        for precision in args.precisions:
+            trl[precision] = run_trl(precision, args, args.output_dir / f"trl_{precision}")
+    from llamarl.exec import smollm2_path
+
+    floor = FlopFloor(args.model or str(smollm2_path()))
+    cores = os.cpu_count() or 1
+    rows: dict[str, dict] = {}
+    for generator in args.generators:
+        for precision in args.precisions:
+            for mode in args.modes:
+                name = f"{mode} {generator} {precision}"
+                out = args.output_dir / f"{mode}_{generator}_{precision}"
+                summary = run_llamarl(mode, generator, precision, args, out)
+                row = figures(summary, out, args)
+                threads = (
+                    cores
+                    if mode == "sync"
+                    else max(1, cores // (summary["num_trainers"] + summary["num_generators"]))
+                )
+                row["floor_s"] = floor.seconds(summary, out, threads)
+                row["train_over_floor"] = row["train_s"] / row["floor_s"]
+                base = trl.get(precision)
+                row["x_trl_tokens"] = row["tokens_per_s"] / base["gen_tokens_per_s"] if base else float("nan")
+                row["x_trl_memory"] = (
+                    row["peak_gb"] * 1024 / base["peak_rss_mb_total"] if base else float("nan")
+                )
+                row["memory_per_process"] = summary["memory_per_process"]
+                rows[name] = row
+    load_after = os.getloadavg()
+    print(f"\nload average before: {' '.join(f'{x:.1f}' for x in load_before)}; after: "
+          f"{' '.join(f'{x:.1f}' for x in load_after)}; bf16 matmul GFLOP/s by threads: "
+          f"{ {t: round(r) for t, r in floor._rates.items()} }")  # fmt: skip
+    print("\n| run | s/step | completion tok/s | x TRL tok/s | peak GB (all processes) | x TRL memory |")
+    print("|---|---|---|---|---|---|")
+    for precision, t in trl.items():
+        print(f"| TRL GRPOTrainer {precision} | {t['step_s']:.1f} | {t['gen_tokens_per_s']:.1f} | 1.00 | "
+              f"{t['peak_rss_mb_total'] / 1024:.1f} | 1.00 |")  # fmt: skip
+    for name, r in rows.items():
+        print(f"| llamarl {name} | {r['step_s']:.1f} | {r['tokens_per_s']:.1f} | {r['x_trl_tokens']:.2f} | "
+              f"{r['peak_gb']:.1f} | {r['x_trl_memory']:.2f} |")  # fmt: skip
+    print("\n| run | generate s | train s | sync s | bound s | step / bound | bf16 floor s | train / floor "
+          "| max lag | dropped groups |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, r in rows.items():
+        print(f"| {name} | {r['generate_s']:.1f} | {r['train_s']:.1f} | {r['sync_s']:.2f} | "
+              f"{r['bound_s']:.1f} | "
+              f"{r['step_over_bound']:.2f} | {r['floor_s']:.1f} | {r['train_over_floor']:.2f} | "
+              f"{r['lag_max']:.0f} | {r['dropped']:.0f} |")  # fmt: skip
+    print("\npeak memory per process (GB):")
+    for name, t in [*((f"TRL {p}", t) for p, t in trl.items()), *rows.items()]:
+        parts = ", ".join(f"{m['process']} {m['peak_rss_mb'] / 1024:.2f}" for m in t["memory_per_process"])
+        print(f"  {name}: {parts}")
+    if args.json:
+        record = {"args": vars(args), "trl": trl, "llamarl": rows, "load": [load_before, load_after]}
+        args.json.write_text(json.dumps(record, indent=2, default=str) + "\n")
     return 0
 
 

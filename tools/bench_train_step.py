@@ -5,6 +5,7 @@ and TRL's GRPOTrainer's training pass on the same batch.
     uv run tools/bench_train_step.py [--threads 2] [--prompts 4] [--samples 4] [--max-completion 256]
         [--uneven | --even] [--ranks 1 2] [--layouts padded shared packed packed_shared ...] [--json out.json]
     uv run --with trl==1.16.0 tools/bench_train_step.py --ranks 1 --layouts trl padded packed_shared
+    uv run tools/bench_train_step.py --precision bf16 ...   (bf16 compute, float32 master weights)
 
 Each case runs in fresh processes, so its peak RSS is its own. The `trl` layouts (1 rank only; TRL is
 not a project dependency, `--with` adds it for the one run) time what GRPOTrainer does with a generated
@@ -19,7 +20,8 @@ training pass does not depend on what the tokens say). With `--uneven` (the defa
 are drawn uniformly from [max/8, max], as RL rollouts are: some stop early, some hit the limit. One rank
 uses `--threads` threads; two ranks (FSDP2 over gloo, one process each) use one thread each, so both
 use the same cores. tokens/s counts completion tokens (what the loss is over) of the whole batch;
-CPU seconds and peak RSS are the sums over the ranks.
+CPU seconds and peak RSS are the sums over the ranks. `--precision` (fp32 by default, as before) sets
+llamarl's `trainer.precision` and TRL's `bf16` alike.
 """
 
 from __future__ import annotations
@@ -99,7 +101,7 @@ def _trl_step(model: str, batch: RolloutBatch, args, output_dir: str, **override
     config = GRPOConfig(
         output_dir=output_dir,
         use_cpu=True,
-        bf16=False,
+        bf16=args.precision == "bf16",
         per_device_train_batch_size=micro,
         gradient_accumulation_steps=batch.num_sequences // micro,
         num_generations=batch.group_size,
@@ -149,7 +151,10 @@ def _trl_step(model: str, batch: RolloutBatch, args, output_dir: str, **override
 def _trainer(model: str, layout: str, args, group) -> PolicyTrainer:
     settings = dict(LAYOUTS[layout])
     settings["pack_tokens"] = args.pack_tokens if layout.startswith("packed") else 0
-    return build_trainer(model, micro_batch_size=args.micro_batch_size, group=group, **settings)
+    compute_dtype = "bfloat16" if args.precision == "bf16" else None
+    return build_trainer(
+        model, micro_batch_size=args.micro_batch_size, group=group, compute_dtype=compute_dtype, **settings
+    )
 
 
 def _time_steps(step, repeats: int, warmup: bool, barrier=None) -> tuple[float, float]:
@@ -203,6 +208,7 @@ def main() -> None:
     parser.add_argument("--micro-batch-size", type=int, default=4, help="sequences per padded micro-batch")
     parser.add_argument("--pack-tokens", type=int, default=2048, help="token budget of a packed micro-batch")
     parser.add_argument("--repeats", type=int, default=1, help="timed steps")
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="compute precision")
     parser.add_argument(
         "--no-warmup", dest="warmup", action="store_false", help="time the first step too (saves a step)"
     )

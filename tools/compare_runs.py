@@ -24,7 +24,7 @@ FIGURES = (  # summary.json key, label
     ("eval_accuracy_end", "greedy accuracy, end"),
     ("eval_sampled_accuracy_start", "sampled accuracy, start"),
     ("eval_sampled_accuracy_end", "sampled accuracy, end"),
-    ("peak_rss_mb_total", "peak memory, all ranks (MB)"),
+    ("peak_rss_mb_total", "peak memory, all processes (MB)"),
     ("wall_s", "wall (s)"),
 )
 

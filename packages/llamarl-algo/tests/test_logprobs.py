@@ -1,11 +1,11 @@
-"""token_logprobs: values against torch's unchunked reference, gradients,
+"""token_logprobs and linear_token_logprobs: values against torch's unchunked reference, gradients,
 temperature, extreme logits, low-precision inputs."""
 
 import pytest
 import torch
 from llamarl_algo_testing import assert_close
 
-from llamarl.algo import token_logprobs
+from llamarl.algo import linear_token_logprobs, token_logprobs
 
 
 def _reference_logprobs(logits_BTV, token_ids_BT, temperature=1.0):
@@ -180,3 +180,90 @@ def test_token_logprobs_errors_name_the_problem():
         token_logprobs(logits_BTV, torch.zeros(2, 4, dtype=torch.long))
     with pytest.raises(ValueError, match=r"at least a token and a vocabulary axis, got \(5,\)"):
         token_logprobs(torch.zeros(5), torch.tensor(0))
+
+
+# ----------------------------------------------------------------------------------------------------
+# linear_token_logprobs: the output head fused with the log-softmax
+
+
+def _reference_head(hidden_NH, weight_VH, token_ids_N, temperature=1.0):
+    """Unchunked float64 log-probs and entropy of softmax(hidden @ weight.T / T)."""
+    logp_NV = torch.log_softmax((hidden_NH.double() @ weight_VH.double().T) / temperature, dim=-1)
+    entropy_N = -(logp_NV.exp() * logp_NV).sum(-1)
+    return logp_NV.gather(-1, token_ids_N[..., None]).squeeze(-1), entropy_N
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 6, 100])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_linear_token_logprobs_matches_reference(chunk_size, temperature):
+    gen = torch.Generator().manual_seed(5)
+    hidden_BTH = torch.randn(2, 3, 8, generator=gen)
+    weight_VH = torch.randn(13, 8, generator=gen)
+    token_ids_BT = torch.randint(0, 13, (2, 3), generator=gen)
+    logprobs_BT, entropy_BT = linear_token_logprobs(
+        hidden_BTH, weight_VH, token_ids_BT, temperature=temperature, chunk_size=chunk_size
+    )
+    expected_logprobs, expected_entropy = _reference_head(hidden_BTH, weight_VH, token_ids_BT, temperature)
+    assert logprobs_BT.dtype == torch.float32 and logprobs_BT.shape == (2, 3)
+    assert_close(logprobs_BT.double(), expected_logprobs, atol=1e-5, rtol=1e-5)
+    assert_close(entropy_BT.double(), expected_entropy, atol=1e-5, rtol=1e-5)
+
+
+def test_linear_token_logprobs_gradcheck_float64():
+    gen = torch.Generator().manual_seed(6)
+    hidden_NH = torch.randn(5, 4, dtype=torch.float64, generator=gen, requires_grad=True)
+    weight_VH = torch.randn(7, 4, dtype=torch.float64, generator=gen, requires_grad=True)
+    token_ids_N = torch.randint(0, 7, (5,), generator=gen)
+    assert torch.autograd.gradcheck(
+        lambda h, w: linear_token_logprobs(h, w, token_ids_N, temperature=0.8, chunk_size=2)[0],
+        (hidden_NH, weight_VH),
+    )
+
+
+def test_linear_token_logprobs_bf16_gradients_match_float64():
+    """bf16 hidden states and a float32 weight (mixed precision): gradients within bf16's rounding."""
+    gen = torch.Generator().manual_seed(7)
+    hidden_NH = torch.randn(9, 16, generator=gen).bfloat16().requires_grad_()
+    weight_VH = (torch.randn(40, 16, generator=gen) / 4).requires_grad_()
+    token_ids_N = torch.randint(0, 40, (9,), generator=gen)
+    weights_N = torch.randn(9, generator=gen)
+    (linear_token_logprobs(hidden_NH, weight_VH, token_ids_N, chunk_size=4)[0] * weights_N).sum().backward()
+    hidden_ref = hidden_NH.detach().double().requires_grad_()
+    weight_ref = weight_VH.detach().double().requires_grad_()
+    (_reference_head(hidden_ref, weight_ref, token_ids_N)[0] * weights_N.double()).sum().backward()
+    assert hidden_NH.grad.dtype == torch.bfloat16 and weight_VH.grad.dtype == torch.float32
+    for grad, reference in ((hidden_NH.grad, hidden_ref.grad), (weight_VH.grad, weight_ref.grad)):
+        relative = (grad.double() - reference).norm() / reference.norm()
+        assert relative < 2e-2, relative
+
+
+def test_linear_token_logprobs_never_holds_all_logits():
+    """Forward and backward of 64 tokens x 1000 vocabulary in chunks of 16: no tensor of more than one
+    chunk's logits is saved for backward or allocated at once."""
+    hidden_NH = torch.randn(64, 8, requires_grad=True)
+    weight_VH = torch.randn(1000, 8, requires_grad=True)
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logprobs_N, _ = linear_token_logprobs(
+            hidden_NH, weight_VH, torch.zeros(64, dtype=torch.long), chunk_size=16
+        )
+    assert max(saved) == 1000 * 8  # the weight itself; per-token vectors otherwise, no [64, 1000] logits
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        logprobs_N.sum().backward()
+    largest = max((e.cpu_memory_usage for e in prof.events()), default=0)  # one op's allocation
+    # The weight's gradient (1000 x 8 float32) is the largest buffer; 16 x 1000 chunks are as large.
+    assert largest <= 2 * 1000 * 8 * 4, largest
+
+
+def test_linear_token_logprobs_rejects_mismatched_shapes():
+    with pytest.raises(ValueError, match="do not match"):
+        linear_token_logprobs(torch.randn(3, 4), torch.randn(5, 4), torch.zeros(2, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"\[V, H\]"):
+        linear_token_logprobs(torch.randn(3, 4), torch.randn(5, 3), torch.zeros(3, dtype=torch.long))

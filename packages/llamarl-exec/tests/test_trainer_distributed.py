@@ -163,13 +163,13 @@ def _mixed_precision_worker(rank: int, world_size: int, rdv, model_dir: str, bat
     dist.init_process_group("gloo", init_method=rdv.init_method, rank=rank, world_size=world_size)
     group = dist.new_group(list(range(NUM_TRAINERS)))
     out = {}
-    for param_dtype in (None, "bfloat16"):
-        trainer = _trainer(model_dir, group, param_dtype=param_dtype)
+    for compute_dtype in (None, "bfloat16"):
+        trainer = _trainer(model_dir, group, compute_dtype=compute_dtype)
         trainer.setup()
         logprobs = trainer.compute_logprobs(batch.data_parallel_part(rank, world_size))
         trainer.train_step(batch.data_parallel_part(rank, world_size))
         params = list(trainer.model.parameters())
-        out[param_dtype] = {
+        out[compute_dtype] = {
             "logprobs": logprobs,
             "param_dtypes": {p.dtype for p in params},
             "grad_free": all(p.grad is None for p in params),

@@ -42,13 +42,14 @@ def prompts(model_dir) -> list[list[int]]:
     return out
 
 
-def _generator(model_dir: str, **engine) -> VLLMGenerator:
+def _generator(model_dir: str, dtype: str = "float32", **engine) -> VLLMGenerator:
     """The engine every test here starts: SmolLM2, 2 threads, deadlines for a loaded 2-core machine;
     `engine` overrides GeneratorConfig fields."""
     return VLLMGenerator(
         model_dir,
         SamplingConfig(temperature=TEMPERATURE),
         GeneratorConfig(**({"vllm_python": vllm_python_for_tests(), "max_model_len": 512} | engine)),
+        dtype=dtype,
         seed=0,
         num_threads=2,
         start_timeout_s=240,
@@ -142,6 +143,61 @@ def test_vllm_logprobs_match_trainer_before_and_after_a_weight_sync(generator, t
     mask = after.completion_mask_BC == 1
     diff = (trainer.compute_logprobs(after) - after.behavior_logprobs_BC)[mask].abs().max()
     assert diff < 1e-3, diff
+
+
+def _send_in_thread(model: torch.nn.Module, port: int, version: int, wire_dtype=None):
+    """Sends one sync of `model` as rank 0 from a thread; returns the thread and its error list."""
+    errors: list[BaseException] = []
+
+    def send() -> None:
+        try:
+            group = WeightSyncGroup(host="127.0.0.1", port=port, rank=0, world_size=2, timeout_s=120)
+            sender = WeightSender(group, model, wire_dtype=wire_dtype)
+            sender.send(version)
+            sender.close()
+            group.close()
+        except BaseException as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    return thread, errors
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_a_bf16_engine_samples_in_bf16_and_takes_bf16_weights(model_dir, trainer, prompts):
+    """generator.precision bf16 with vLLM: the engine computes in bf16 (its log-probs are off the float32
+    trainer's by more than the 1e-3 of a float32 engine, and close to a bf16 trainer's), and weights sent
+    in bf16 from the trainer's float32 masters load into it."""
+    bf16_trainer = build_trainer(model_dir, temperature=TEMPERATURE, compute_dtype="bfloat16")
+    bf16_trainer.setup()
+    generator = _generator(model_dir, dtype="bfloat16")
+    generator.setup()
+    try:
+        batch = generator.generate(prompts, samples_per_prompt=3, max_new_tokens=MAX_NEW_TOKENS)
+        mask = batch.completion_mask_BC == 1
+        to_fp32 = (trainer.compute_logprobs(batch) - batch.behavior_logprobs_BC)[mask].abs()
+        to_bf16 = (bf16_trainer.compute_logprobs(batch) - batch.behavior_logprobs_BC)[mask].abs()
+        assert to_fp32.max() > 1e-3, to_fp32.max()
+        assert to_bf16.mean() < 0.05, to_bf16.mean()
+
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(1)
+            for p in bf16_trainer.model.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * 0.02 * p.abs().mean())
+        port = free_port()
+        thread, errors = _send_in_thread(bf16_trainer.model, port, 5, wire_dtype=torch.bfloat16)
+        generator.connect_weight_sync(host="127.0.0.1", port=port, rank=1, world_size=2, timeout_s=120)
+        assert generator.receive_weights(timeout_s=120) == 5
+        thread.join(timeout=60)
+        assert not thread.is_alive() and not errors, errors
+        after = generator.generate(prompts, samples_per_prompt=3, max_new_tokens=MAX_NEW_TOKENS)
+        mask = after.completion_mask_BC == 1
+        synced = (bf16_trainer.compute_logprobs(after) - after.behavior_logprobs_BC)[mask].abs()
+        assert synced.mean() < 0.05, synced.mean()
+    finally:
+        generator.close()
 
 
 @pytest.mark.integration

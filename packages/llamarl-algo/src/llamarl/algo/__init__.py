@@ -13,7 +13,7 @@ from llamarl.algo.advantages import (
     rloo_advantages,
 )
 from llamarl.algo.kl import KL_ESTIMATORS, kl_k1, kl_k2, kl_k3, kl_penalty_loss
-from llamarl.algo.logprobs import token_logprobs
+from llamarl.algo.logprobs import linear_token_logprobs, token_logprobs
 from llamarl.algo.masking import (
     expand_to_tokens,
     group_mean,
@@ -74,6 +74,7 @@ __all__ = [
     "kl_k2",
     "kl_k3",
     "kl_penalty_loss",
+    "linear_token_logprobs",
     "masked_mean",
     "masked_sum",
     "mismatch_weights",

@@ -1,8 +1,11 @@
-"""Log-probabilities of sampled tokens, computed from logits in chunks.
+"""Log-probabilities of sampled tokens, computed in chunks: from logits (`token_logprobs`), or from the
+last hidden states and the output head's weight without ever holding all the logits
+(`linear_token_logprobs`).
 
 Shape legend:
     B: sequences in the batch, T: tokens per sequence (padded), V: vocabulary size,
-    b, t: the sequences and tokens of one chunk (b * t <= chunk_size, or one row's slice of T).
+    b, t: the sequences and tokens of one chunk (b * t <= chunk_size, or one row's slice of T),
+    N: tokens (any leading shape flattened), H: hidden size, n: the tokens of one chunk of N.
 
 Why chunks and a custom autograd function: with a 150k-token vocabulary, a float32 copy of the logits
 of every token (B x T x V x 4 bytes) is larger than the bf16 logits themselves. Its forward and
@@ -22,6 +25,10 @@ from torch import Tensor
 
 DEFAULT_CHUNK_SIZE = 512
 """Tokens per chunk: 512 x 150k vocabulary x 4 bytes is about 300 MB of float32 at a time."""
+
+DEFAULT_HEAD_CHUNK_SIZE = 1024
+"""Tokens per chunk of `linear_token_logprobs`: 1024 x 49k vocabulary (SmolLM2) x 4 bytes is 200 MB of
+float32 logits at a time; larger chunks make the head's matrix products more efficient."""
 
 _Chunk = tuple[slice, slice]
 
@@ -131,3 +138,129 @@ def token_logprobs(
         int(chunk_size),
     )
     return logprobs_BT.view(token_ids_BT.shape)
+
+
+class _LinearTokenLogprobs(torch.autograd.Function):
+    """log softmax(hidden @ weight.T / temperature)[token] per token, and the distribution's entropy,
+    one chunk of tokens at a time: the [N, V] logits exist one [n, V] chunk at a time, in forward and
+    again (recomputed) in backward. Saved for backward: the inputs and one float32 number per token."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        hidden_NH: Tensor,
+        weight_VH: Tensor,
+        token_ids_N: Tensor,
+        temperature: float,
+        chunk_size: int,
+        shape: tuple[int, ...],
+    ) -> tuple[Tensor, Tensor]:
+        num_tokens = hidden_NH.shape[0]
+        compute_dtype = _compute_dtype(hidden_NH.dtype)
+        # Outputs are allocated in the caller's shape (not views of flat ones: a module returning a view
+        # of a custom function's output trips FSDP2's checks), written through flat views.
+        logprobs = hidden_NH.new_empty(shape, dtype=compute_dtype)
+        entropy = torch.empty_like(logprobs)
+        logprobs_N, entropy_N = logprobs.view(-1), entropy.view(-1)
+        lse_N = hidden_NH.new_empty(num_tokens, dtype=compute_dtype)
+        for first in range(0, num_tokens, chunk_size):
+            rows = slice(first, first + chunk_size)
+            # The matrix product runs in the inputs' dtype (bf16 under mixed precision: the fast path);
+            # the softmax over the vocabulary in float32.
+            scaled_nV = (hidden_NH[rows] @ weight_VH.T).to(compute_dtype) / temperature
+            lse_n = torch.logsumexp(scaled_nV, dim=-1)
+            logprobs_N[rows] = scaled_nV.gather(-1, token_ids_N[rows, None]).squeeze(-1) - lse_n
+            # H = lse - sum_v p_v z_v  (p = softmax(z)), with z / T the sampled distribution's logits.
+            probs_nV = torch.exp(scaled_nV - lse_n[:, None])
+            entropy_N[rows] = lse_n - (probs_nV * scaled_nV).sum(-1)
+            lse_N[rows] = lse_n
+        ctx.save_for_backward(hidden_NH, weight_VH, token_ids_N, lse_N)
+        ctx.temperature = temperature
+        ctx.chunk_size = chunk_size
+        ctx.mark_non_differentiable(entropy)  # a metric: no gradient flows through it
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad: Tensor, _grad_entropy: Tensor | None):
+        hidden_NH, weight_VH, token_ids_N, lse_N = ctx.saved_tensors
+        grad_N = grad.reshape(-1)
+        temperature, chunk_size = ctx.temperature, ctx.chunk_size
+        compute_dtype = _compute_dtype(hidden_NH.dtype)
+        want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_hidden_NH = torch.empty_like(hidden_NH) if want_hidden else None
+        # Accumulated over the chunks in float32 whatever the weight's dtype, cast once at the end.
+        grad_weight_VH = (
+            torch.zeros(weight_VH.shape, dtype=compute_dtype, device=weight_VH.device)
+            if want_weight
+            else None
+        )
+        for first in range(0, hidden_NH.shape[0], chunk_size):
+            rows = slice(first, first + chunk_size)
+            hidden_nH = hidden_NH[rows]
+            scaled_nV = (hidden_nH @ weight_VH.T).to(compute_dtype) / temperature
+            # d logprob / d logits = (onehot(token) - softmax(logits / T)) / T
+            grad_nV = -torch.exp(scaled_nV - lse_N[rows, None])
+            grad_nV.scatter_add_(-1, token_ids_N[rows, None], torch.ones_like(grad_nV[:, :1]))
+            grad_nV *= grad_N[rows, None].to(compute_dtype) / temperature
+            grad_nV = grad_nV.to(hidden_NH.dtype)  # back to the matrix products' dtype
+            if want_hidden:
+                grad_hidden_NH[rows] = grad_nV @ weight_VH
+            if want_weight:
+                grad_weight_VH += (grad_nV.T @ hidden_nH).to(compute_dtype)
+        if grad_weight_VH is not None:
+            grad_weight_VH = grad_weight_VH.to(weight_VH.dtype)
+        return grad_hidden_NH, grad_weight_VH, None, None, None, None
+
+
+def linear_token_logprobs(
+    hidden_NH: Tensor,
+    weight_VH: Tensor,
+    token_ids_N: Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = DEFAULT_HEAD_CHUNK_SIZE,
+) -> tuple[Tensor, Tensor]:
+    """Log-probabilities of the sampled tokens under softmax(hidden @ weight.T / temperature), and the
+    entropy of that distribution, without materialising the logits of every token at once.
+
+    The output head (a bias-free linear layer) and the log-softmax are fused, as the fused linear
+    cross-entropy of Liger and TRL are: the forward pass computes the logits of `chunk_size` tokens at a
+    time, keeps one float32 log-sum-exp per token, and the backward pass recomputes each chunk's logits
+    to form its gradient. Peak memory is that of one chunk's [n, V] logits instead of [N, V], for one more
+    matrix product per chunk in backward.
+
+    Args:
+        hidden_NH: the last hidden states at the positions that predict `token_ids_N` (after the final
+            norm), any leading shape ([B, T, H] too), any float dtype; the matrix products run in it.
+        weight_VH: the output head's weight [V, H] (cast to the hidden states' dtype where they differ).
+        token_ids_N: the sampled tokens, the hidden states' leading shape (valid ids also on padding).
+        temperature: the sampling temperature, so that the log-probs match the distribution sampled.
+        chunk_size: tokens whose logits exist at a time.
+
+    Returns:
+        (logprobs_N, entropy_N) in the hidden states' leading shape, float32 (float64 for float64
+        inputs). Log-probs are differentiable with respect to `hidden_NH` and `weight_VH` (its gradient is
+        accumulated over the chunks in float32); the entropy carries no gradient (a metric).
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    if tuple(hidden_NH.shape[:-1]) != tuple(token_ids_N.shape):
+        raise ValueError(
+            f"hidden states {tuple(hidden_NH.shape)} do not match token ids {tuple(token_ids_N.shape)}"
+        )
+    if weight_VH.dim() != 2 or weight_VH.shape[1] != hidden_NH.shape[-1]:
+        raise ValueError(
+            f"weight {tuple(weight_VH.shape)} is not [V, H] for hidden size {hidden_NH.shape[-1]}"
+        )
+    if weight_VH.dtype != hidden_NH.dtype:
+        weight_VH = weight_VH.to(hidden_NH.dtype)  # (differentiable: the gradient is cast back)
+    return _LinearTokenLogprobs.apply(
+        hidden_NH.reshape(-1, hidden_NH.shape[-1]),
+        weight_VH,
+        token_ids_N.reshape(-1).long(),
+        float(temperature),
+        int(chunk_size),
+        tuple(token_ids_N.shape),
+    )

@@ -227,6 +227,10 @@ class RunConfig(ConfigSection):
             raise ValueError(
                 f"{self.world_size} ranks cannot be spread evenly over launch.nnodes={launch.nnodes}"
             )
+        if self.trainer.lora.rank and self.generator.backend == "vllm":
+            # Syncs carry only the adapters; the hf generator holds the same peft adapters, a vLLM engine
+            # would need them loaded as a LoRA adapter of its own (not built yet).
+            raise ValueError("trainer.lora.rank > 0 needs generator.backend hf for now")
         if launch.nnodes > 1 and not launch.rdzv_endpoint:
             raise ValueError("launch.nnodes > 1 needs launch.rdzv_endpoint (host:port of the first machine)")
         if ranks.colocate:

@@ -117,18 +117,40 @@ def group_backend(device: torch.device) -> str:
     return CUDA_GROUP_BACKEND if device.type == "cuda" else CPU_GROUP_BACKEND
 
 
-def generation_dtype(device: torch.device) -> str:
-    """The generators' weights and compute: bf16 where the hardware runs it fast; fp32 on the CPU, where
-    bf16 matmuls are slow on most parts."""
-    return "bfloat16" if device.type == "cuda" else "float32"
+def bf16_is_fast(device: torch.device) -> bool:
+    """Whether `device` computes bf16 matrix products natively: CUDA GPUs with bf16 (Ampere and later),
+    CPUs with AVX512-BF16 or AMX (there a bf16 product of a trainer's shapes ran 2.4x the float32 one);
+    elsewhere bf16 is emulated, slower than float32."""
+    if device.type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if device.type == "cpu":
+        # Private probes of torch.cpu (present since torch 2.3); a torch without them reports no support.
+        probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+        return any(getattr(torch.cpu, probe, lambda: False)() for probe in probes)
+    return False
 
 
-def trainer_compute_dtype(device: torch.device) -> str | None:
-    """The trainer's compute dtype under FSDP2 mixed precision (fp32 master weights and optimizer state):
-    bf16 on CUDA; None (fp32 throughout) on the CPU."""
-    return "bfloat16" if device.type == "cuda" else None
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """A `precision` setting ("auto", "bf16", "fp32") as a dtype name for `device`: auto is bfloat16 where
+    `bf16_is_fast`, else float32."""
+    if precision == "auto":
+        return "bfloat16" if bf16_is_fast(device) else "float32"
+    return {"bf16": "bfloat16", "fp32": "float32"}[precision]
 
 
-def weight_wire_dtype(device: torch.device) -> torch.dtype | None:
-    """The dtype weights travel in: the generators' (bf16 on CUDA, from fp32 master weights), else as held."""
-    return torch.bfloat16 if generation_dtype(device) == "bfloat16" else None
+def generation_dtype(precision: str, device: torch.device) -> str:
+    """The generators' weights and compute (`generator.precision` resolved for their device)."""
+    return resolve_precision(precision, device)
+
+
+def trainer_compute_dtype(precision: str, device: torch.device) -> str | None:
+    """The trainer's forward and backward dtype (`trainer.precision` resolved); None for float32. The
+    parameters, gradients and AdamW state stay float32 (master weights) either way."""
+    dtype = resolve_precision(precision, device)
+    return None if dtype == "float32" else dtype
+
+
+def weight_wire_dtype(generation: str) -> torch.dtype | None:
+    """The dtype weights travel in: bf16 to bf16 generators (cast from the float32 master weights on the
+    trainer: half the bytes), else as the trainer holds them."""
+    return torch.bfloat16 if generation == "bfloat16" else None

@@ -80,7 +80,7 @@ class GeneratorSide(Side):
     def _build_generator(self) -> Generator:
         cfg = self.config
         seed = cfg.seed + self.rank
-        dtype = generation_dtype(self.device)
+        dtype = generation_dtype(cfg.generator.precision, self.device)
         if cfg.generator.backend == "vllm":
             return VLLMGenerator(
                 cfg.model,
@@ -98,7 +98,9 @@ class GeneratorSide(Side):
                 batch_sequences=cfg.request_sequences,
                 in_flight_updates=cfg.schedule.mode == "stream",
             )
-        return HFGenerator(cfg.model, cfg.sampling, device=str(self.device), dtype=dtype, seed=seed)
+        return HFGenerator(
+            cfg.model, cfg.sampling, device=str(self.device), dtype=dtype, lora=cfg.trainer.lora, seed=seed
+        )
 
     def open_channels(self, address: WeightChannelAddress) -> None:
         cfg = self.config

@@ -44,7 +44,9 @@ from llamarl.control.cli import RESOLVED_CONFIG, write_config
 from llamarl.control.config import ConfigError, RunConfig, replace_in
 from llamarl.control.devices import check_placement, pin_rank, this_rank_placement
 from llamarl.control.faults import ERRORS_DIR
+from llamarl.control.memory import memory_summary, own_peak
 from llamarl.control.nodes import NodeWatch, describe_lost, nodes_as_records
+from llamarl.control.report import write_report
 from llamarl.control.task_registry import load_task, register_task
 from llamarl.control.tasks import Task
 
@@ -138,11 +140,18 @@ def launch(
     if FIRST_TRAINER_RANK not in results:
         return Launched(summary=None, summary_path=summary_path, summary_host=summary_host)
     summary = results[FIRST_TRAINER_RANK]["summary"]
-    # The ranks measured their own run; the whole command also pays for process start and model loads.
-    summary["wall_s"] = time.perf_counter() - start
-    summary_path.write_text(
-        json.dumps({**json.loads(summary_path.read_text()), "wall_s": summary["wall_s"]}, indent=2) + "\n"
-    )
+    # The ranks measured their own run; the whole command also pays for process start and model loads,
+    # and this process (the launcher) holds memory too.
+    added = {
+        "wall_s": time.perf_counter() - start,
+        **memory_summary([*summary["memory_per_process"], own_peak("launcher")]),
+    }
+    summary.update(added)
+    summary_path.write_text(json.dumps({**json.loads(summary_path.read_text()), **added}, indent=2) + "\n")
+    # The report's memory line now counts the launcher too. A picture never fails a finished run: the
+    # first trainer rank drew it already (and said so if it could not).
+    with contextlib.suppress(Exception):
+        write_report(output_dir)
     return Launched(summary=summary, summary_path=summary_path, summary_host=summary_host)
 
 

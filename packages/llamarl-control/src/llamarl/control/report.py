@@ -163,7 +163,7 @@ def draw(runs: list[RunRecord], path: Path, title: str) -> None:
     matplotlib.use("Agg")  # files only: no display on ranks or CI
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(14, 9))
+    fig, axes = plt.subplots(2, 2, figsize=(14, 9.5))
     colors = [f"C{i}" for i in range(len(runs))]
     for run, color in zip(runs, colors, strict=True):
         plot_rewards(axes[0][0], run, color)
@@ -190,9 +190,21 @@ def write_report(output_dir: Path) -> Path:
         f"{s.get('step_time_s', float('nan')):.1f} s/step, "
         f"accuracy {_fmt(s.get('eval_accuracy_start'))} -> {_fmt(s.get('eval_accuracy_end'))}"
     )
+    memory = memory_line(s)
+    if memory:
+        title += "\n" + memory
     path = Path(output_dir) / "report.png"
     draw([run], path, title)
     return path
+
+
+def memory_line(summary: dict[str, Any]) -> str:
+    """ "peak memory 11.0 GB: rank 0 trainer 5.8, rank 1 generator vllm engine 3.4, ..." from a summary."""
+    processes = summary.get("memory_per_process") or []
+    if not processes:
+        return ""
+    parts = [f"{p['process']} {p['peak_rss_mb'] / 1024:.1f}" for p in processes]
+    return f"peak memory {summary['peak_rss_mb_total'] / 1024:.1f} GB: " + ", ".join(parts)
 
 
 def _fmt(value: float | None) -> str:

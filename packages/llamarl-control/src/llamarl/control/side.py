@@ -19,7 +19,6 @@ of them:
 from __future__ import annotations
 
 import random
-import resource
 import time
 from datetime import timedelta
 from typing import Any
@@ -33,6 +32,7 @@ from llamarl.control.config import RunConfig
 from llamarl.control.devices import group_backend, rank_device
 from llamarl.control.evaluation import EvalResult
 from llamarl.control.faults import FaultInjector
+from llamarl.control.memory import ProcessTreeMemory
 from llamarl.control.prompts import load_tokenizer
 from llamarl.control.schedule import Phase, Tick, lockstep_ticks
 from llamarl.control.task_registry import load_task
@@ -124,8 +124,11 @@ class Side:
     def record_evaluation(self, result: EvalResult, when: str) -> None:
         """What the first trainer rank does with an evaluation's result."""
 
-    def summarize(self, *, run_s: float, loop_s: float, peak_rss_mb: list[float]) -> dict[str, Any] | None:
-        """The summary on the first trainer rank (written to OUTPUT_DIR/summary.json); None elsewhere."""
+    def summarize(
+        self, *, run_s: float, loop_s: float, memory: list[dict[str, Any]]
+    ) -> dict[str, Any] | None:
+        """The summary on the first trainer rank (written to OUTPUT_DIR/summary.json); None elsewhere.
+        `memory`: the peak RSS of every process of every rank (see llamarl.control.memory)."""
         return None
 
     def close(self) -> None:
@@ -142,6 +145,10 @@ class Side:
     def setup(self) -> None:
         """Loads the models, opens the channels, and on resume loads this rank's part of the checkpoint."""
         cfg = self.config
+        # This rank and every process it starts (an engine, reward workers), sampled until the end.
+        role = "trainer" if self.rank in self.trainer_ranks else "generator"
+        workers = "reward worker" if role == "generator" else "worker process"
+        self.memory = ProcessTreeMemory(f"rank {self.rank} {role}", worker_label=workers).start()
         self.device = rank_device(cfg)
         torch.manual_seed(cfg.seed + self.rank)
         self.tokenizer = load_tokenizer(cfg.model)
@@ -198,9 +205,9 @@ class Side:
         self.tick = -1
         self.save_final_model()
         self.evaluate("end")
-        peak_rss_mb = self._gather_peak_rss_mb()
+        memory = self._gather_memory()
         self._write_trace()
-        return self.summarize(run_s=time.perf_counter() - run_start, loop_s=loop_s, peak_rss_mb=peak_rss_mb)
+        return self.summarize(run_s=time.perf_counter() - run_start, loop_s=loop_s, memory=memory)
 
     def loop_clock(self) -> float:
         """Seconds on a clock that stops while evaluating inside the loop: step times are training only."""
@@ -297,11 +304,12 @@ class Side:
     # ----------------------------------------------------------------------------------------------
     # the end
 
-    def _gather_peak_rss_mb(self) -> list[float]:
-        rss = torch.zeros(self.world_size, dtype=torch.float64)
-        rss[self.rank] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-        dist.all_reduce(rss)
-        return rss.tolist()
+    def _gather_memory(self) -> list[dict[str, Any]]:
+        """Every rank's process-tree peaks, in rank order, on the first trainer rank (empty elsewhere)."""
+        self.memory.stop()
+        gathered: list[list] | None = [[] for _ in range(self.world_size)] if self.is_logger else None
+        dist.gather_object(self.memory.processes(), gathered, dst=FIRST_TRAINER_RANK)
+        return [p for rank_processes in gathered or [] for p in rank_processes]
 
     def _write_trace(self) -> None:
         """Gathers every rank's phases on the first trainer rank, which writes OUTPUT_DIR/trace.json."""

@@ -10,6 +10,7 @@ from typing import Any
 
 from llamarl.control.config import RunConfig
 from llamarl.control.evaluation import EvalResult, paired_delta_ci
+from llamarl.control.memory import memory_summary
 
 
 def build_summary(
@@ -25,9 +26,10 @@ def build_summary(
     resumed_from_step: int | None,
     run_s: float,
     loop_s: float,
-    peak_rss_mb: list[float],
+    memory: list[dict[str, Any]],
 ) -> dict[str, Any]:
-    """The summary of a run whose training steps produced `records` (one per step, in order)."""
+    """The summary of a run whose training steps produced `records` (one per step, in order). `memory`:
+    the peak RSS of every process of the ranks (the launcher adds its own)."""
     # A resumed run's first step has no previous end to measure from (nan): left out.
     step_times = [r["time/step_s"] for r in records[1:] if r["time/step_s"] == r["time/step_s"]]
     total_tokens = sum(r["train/num_completion_tokens"] for r in records)
@@ -62,8 +64,9 @@ def build_summary(
         **eval_summary(evaluations),
         "final_policy_version": final_policy_version,
         "resumed_from_step": resumed_from_step,
-        "peak_rss_mb_per_rank": peak_rss_mb,
-        "peak_rss_mb_total": sum(peak_rss_mb),
+        # every process of every rank (ranks, vLLM engines, reward workers) and, once the launcher adds
+        # itself, the launcher: per process and summed
+        **memory_summary(memory),
     }
 
 

@@ -23,7 +23,7 @@ from llamarl.control.channels.buffer import RolloutBuffer
 from llamarl.control.channels.rollouts import concat_rollouts, recv_rollouts, send_rollouts
 from llamarl.control.channels.stream import StreamControl, drain_into_buffer
 from llamarl.control.channels.weights import FIRST_TRAINER_RANK, WeightChannelAddress, open_sender
-from llamarl.control.devices import trainer_compute_dtype, weight_wire_dtype
+from llamarl.control.devices import generation_dtype, trainer_compute_dtype, weight_wire_dtype
 from llamarl.control.evaluation import EvalResult
 from llamarl.control.metrics import MetricsLogger
 from llamarl.control.report import write_report
@@ -46,7 +46,8 @@ class TrainerSide(Side):
     def build_executors(self) -> None:
         cfg = self.config
         # FSDP2 with several trainer ranks, and on CUDA always (its mixed precision keeps fp32 master
-        # weights while computing in bf16); one CPU rank trains the plain module, in fp32.
+        # weights while computing in bf16); one CPU rank trains the plain module (in bf16 through a
+        # compute copy of the fp32 master weights, where the CPU has bf16).
         sharded = cfg.ranks.num_trainers > 1 or self.device.type == "cuda"
         self.trainer = PolicyTrainer(
             cfg.model,
@@ -55,7 +56,7 @@ class TrainerSide(Side):
             temperature=cfg.sampling.temperature,
             total_steps=cfg.schedule.steps,
             device=str(self.device),
-            param_dtype=trainer_compute_dtype(self.device),
+            compute_dtype=trainer_compute_dtype(cfg.trainer.precision, self.device),
             seed=cfg.seed,
             group=self.trainer_group if sharded else None,
         )
@@ -69,11 +70,11 @@ class TrainerSide(Side):
     def open_channels(self, address: WeightChannelAddress) -> None:
         cfg = self.config
         self.weight_group, self.sender = open_sender(
-            self.trainer.model,
+            self.trainer.sync_tensors(),  # the model, or only its LoRA adapters
             address,
             timeout_s=cfg.sync_deadline_s,
             bucket_mb=cfg.weight_sync.bucket_mb,
-            wire_dtype=weight_wire_dtype(self.device),
+            wire_dtype=weight_wire_dtype(generation_dtype(cfg.generator.precision, self.device)),
         )
         self.loop = TrainerLoop(
             trainer=self.trainer,
@@ -273,7 +274,9 @@ class TrainerSide(Side):
         self.logger.log(self.trainer.policy_version, record, advance=False)
         self.evaluations.append(result)
 
-    def summarize(self, *, run_s: float, loop_s: float, peak_rss_mb: list[float]) -> dict[str, Any] | None:
+    def summarize(
+        self, *, run_s: float, loop_s: float, memory: list[dict[str, Any]]
+    ) -> dict[str, Any] | None:
         if not self.is_logger:
             return None
         summary = build_summary(
@@ -288,7 +291,7 @@ class TrainerSide(Side):
             resumed_from_step=None if self.resumed is None else self.resumed.found.step,
             run_s=run_s,
             loop_s=loop_s,
-            peak_rss_mb=peak_rss_mb,
+            memory=memory,
         )
         write_summary(self.output_dir, summary)
         self.logger.close(summary)

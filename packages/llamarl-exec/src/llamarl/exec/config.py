@@ -24,6 +24,7 @@ AdvantageName = Literal[ADVANTAGE_NAMES]  # type: ignore[valid-type]
 KLEstimatorName = Literal[tuple(sorted(KL_ESTIMATORS))]  # type: ignore[valid-type]
 MismatchMode = Literal[MISMATCH_MODES]  # type: ignore[valid-type]
 LRScheduleName = Literal[LR_SCHEDULES]  # type: ignore[valid-type]
+Precision = Literal["auto", "bf16", "fp32"]
 
 
 class ConfigSection(BaseModel):
@@ -73,8 +74,26 @@ class AlgorithmConfig(ConfigSection):
         return self
 
 
+class LoraConfig(ConfigSection):
+    """LoRA adapters (peft): the base weights stay frozen and only the adapters train."""
+
+    rank: int = Field(0, ge=0)
+    """> 0: train LoRA adapters of this rank on the `targets` layers (the base weights frozen); the
+    generators receive only the adapters' tensors at each weight sync; 0: train every weight"""
+    alpha: float | None = Field(None, gt=0)
+    """LoRA scaling numerator: the update is (alpha / rank) B A (unset: 2 x rank)"""
+    targets: list[str] = Field(default_factory=lambda: ["all-linear"])
+    """module names that get adapters (e.g. q_proj v_proj), or all-linear: every linear layer but the
+    output head"""
+
+    @property
+    def scale_alpha(self) -> float:
+        """alpha, with its default resolved."""
+        return self.alpha if self.alpha is not None else 2.0 * self.rank
+
+
 class TrainerConfig(ConfigSection):
-    """The trainer: optimizer, learning-rate schedule, micro-batching, memory."""
+    """The trainer: optimizer, learning-rate schedule, precision, micro-batching, memory, LoRA."""
 
     lr: float = Field(3e-6, ge=0)
     """AdamW peak learning rate (0 leaves the weights as they are: for checks and timings)"""
@@ -95,6 +114,11 @@ class TrainerConfig(ConfigSection):
     """forward each prompt once per group and let its samples attend to it (same gradients)"""
     activation_checkpointing: bool = False
     """recompute activations in backward: less memory, more compute"""
+    precision: Precision = "auto"
+    """bf16: forward and backward in bf16 with float32 master weights, gradients and AdamW state; fp32:
+    float32 throughout; auto: bf16 where the device computes it fast (CUDA with bf16, CPUs with
+    AVX512-BF16 or AMX), else fp32"""
+    lora: LoraConfig = Field(default_factory=LoraConfig)
 
 
 class GeneratorConfig(ConfigSection):
@@ -103,6 +127,9 @@ class GeneratorConfig(ConfigSection):
     backend: Literal["hf", "vllm"] = "hf"
     """hf: transformers' generate in the rank; vllm: a vLLM engine per generator rank, in its own process
     (on CUDA this environment with llamarl-exec[vllm]; on the CPU the one tools/setup_vllm_env.sh builds)"""
+    precision: Precision = "auto"
+    """weights and compute of the generators: bf16, fp32, or auto: bf16 where the device computes it fast
+    (as trainer.precision); weights travel to them in it"""
     vllm_python: str | None = None
     """interpreter of the vLLM environment (unset: $LLAMARL_VLLM_PYTHON, else this one on CUDA, the
     cached CPU one on the CPU)"""

@@ -18,9 +18,10 @@ from collections.abc import Callable
 import torch
 
 from llamarl.comm import WeightReceiver, WeightSyncGroup
-from llamarl.exec.config import SamplingConfig
+from llamarl.exec.config import LoraConfig, SamplingConfig
 from llamarl.exec.episodes import BatchTurnSession
-from llamarl.exec.models import load_model_and_tokenizer
+from llamarl.exec.lora import adapter_tensors, add_lora
+from llamarl.exec.models import load_model_and_tokenizer, resolve_dtype
 from llamarl.exec.padding import completion_mask, left_pad
 from llamarl.exec.types import RolloutBatch
 
@@ -83,18 +84,21 @@ class HFGenerator:
         *,
         device: str = "cpu",
         dtype: str = "float32",
+        lora: LoraConfig | None = None,
         seed: int | None = None,
         eos_token_ids: list[int] | None = None,
         pad_token_id: int | None = None,
     ) -> None:
-        """`model`: hub id or local folder of the policy. `dtype`: weights and compute ("bfloat16" on
-        GPUs). `seed` seeds torch's RNG in setup() so sampling is reproducible. `eos_token_ids` end a
-        completion (default: the model's eos ids); `pad_token_id` pads (default: the model's, else the
-        first eos id)."""
+        """`model`: hub id or local folder of the policy. `dtype`: weights and compute ("bfloat16" where
+        the device has it). `lora`: the trainer's LoRA settings; with a rank > 0 the model gets the same
+        adapters (in `dtype`) and weight syncs carry only them. `seed` seeds torch's RNG in setup() so
+        sampling is reproducible. `eos_token_ids` end a completion (default: the model's eos ids);
+        `pad_token_id` pads (default: the model's, else the first eos id)."""
         self.model_name = model
         self.sampling = sampling
         self.device = device
         self.dtype = dtype
+        self.lora = lora if lora is not None and lora.rank else None
         self.seed = seed
         self._eos_token_ids = eos_token_ids
         self._pad_token_id = pad_token_id
@@ -109,6 +113,10 @@ class HFGenerator:
         self.model, _ = load_model_and_tokenizer(
             self.model_name, dtype=self.dtype, device=self.device, with_tokenizer=False
         )
+        if self.lora is not None:
+            # Unmerged adapters (lora_B starts at 0): the same modules as the trainer's, so a sync of the
+            # adapters alone makes this model compute what the trainer's does.
+            add_lora(self.model, self.lora, dtype=resolve_dtype(self.dtype))
         self.model.eval()
         self.model.requires_grad_(False)  # never trained here; lets weight sync copy without autograd
         eos = self._eos_token_ids
@@ -140,14 +148,15 @@ class HFGenerator:
     def connect_weight_sync(
         self, *, host: str, port: int, rank: int, world_size: int, timeout_s: float, src_rank: int = 0
     ) -> None:
-        """Joins the trainer's weight-sync group as `rank`; syncs then write into `model` in place. The
-        trainer's `WeightSender` must be built at about the same time. `timeout_s` bounds each step of a
-        sync (forming the group, every bucket)."""
+        """Joins the trainer's weight-sync group as `rank`; syncs then write into `model` in place (with
+        LoRA: into its adapters only). The trainer's `WeightSender` must be built at about the same time.
+        `timeout_s` bounds each step of a sync (forming the group, every bucket)."""
         if self.model is None:
             raise RuntimeError("HFGenerator.connect_weight_sync called before setup()")
         group = WeightSyncGroup(host=host, port=port, rank=rank, world_size=world_size, timeout_s=timeout_s)
         try:
-            self._weights = WeightReceiver(group, self.model, src_rank=src_rank)
+            destination = adapter_tensors(self.model) if self.lora is not None else self.model
+            self._weights = WeightReceiver(group, destination, src_rank=src_rank)
         except BaseException:
             group.close()
             raise

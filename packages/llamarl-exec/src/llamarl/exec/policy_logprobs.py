@@ -9,8 +9,12 @@ the log-probs equal the behaviour log-probs: the input is prompt + completion wi
 padding masked out, and position ids restart at 0 on the first real token (what transformers' `generate`
 uses with left padding), not at column 0.
 
-Memory: logits are produced only at the C completion positions of one micro-batch (`logits_to_keep`),
-never for the prompt or the whole batch, and `token_logprobs` upcasts them to float32 a chunk at a time.
+Memory: the full [tokens, V] logits never exist. The model's output head is replaced, for the duration
+of each forward pass, by `llamarl.algo.linear_token_logprobs`: it receives the last hidden states at the
+completion positions of one micro-batch (`logits_to_keep`, never the prompt's) and turns them into the
+sampled tokens' log-probs (and the entropy, a metric) a chunk of tokens at a time, recomputing each
+chunk's logits in backward. The head runs inside the model's forward, so under FSDP2 it sees the
+gathered (and, under mixed precision, bf16) head weight, as the plain head would.
 
 Micro-batches are either padded rows (`micro_batch_size` sequences, optionally forwarding each prompt
 once per group: `share_prompts`) or packed rows (`pack_tokens`: consecutive sequences up to a token
@@ -29,12 +33,14 @@ of micro-batches and on whether to share prompts.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
-from llamarl.algo import token_logprobs
+from llamarl.algo import linear_token_logprobs
 from llamarl.exec import packing
 from llamarl.exec.config import TrainerConfig
 from llamarl.exec.parallel import all_reduce_max, all_reduce_min
@@ -79,11 +85,13 @@ class PolicyLogprobs:
 
     def logprobs(
         self, model: torch.nn.Module, batch: RolloutBatch, rows: slice, device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logprobs_MC', mask_MC') of one micro-batch under `model`, cut to its longest completion C'."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(logprobs_MC', entropy_MC', mask_MC') of one micro-batch under `model`, cut to its longest
+        completion C'. Log-probs carry gradient when enabled; the entropy (of softmax(logits / T) at each
+        completion position, a metric) never does. Both are float32, 0 on padding."""
         mask_MC = batch.completion_mask_BC[rows].to(device)
         if self.trainer.pack_tokens:
-            logprobs_MC, length = self._packed_logprobs(
+            logprobs_MC, entropy_MC, length = self._packed_logprobs(
                 model,
                 batch.prompt_ids_BP[rows],
                 batch.prompt_mask_BP[rows],
@@ -91,7 +99,7 @@ class PolicyLogprobs:
                 mask_MC,
             )
         else:
-            logprobs_MC, length = self._completion_logprobs(
+            logprobs_MC, entropy_MC, length = self._completion_logprobs(
                 batch.prompt_ids_BP[rows],
                 batch.prompt_mask_BP[rows],
                 batch.completion_ids_BC[rows],
@@ -99,7 +107,8 @@ class PolicyLogprobs:
                 group_size=batch.group_size,
                 model=model,
             )
-        return logprobs_MC, mask_MC[:, :length]
+        mask_MC = mask_MC[:, :length]
+        return logprobs_MC, entropy_MC.masked_fill(mask_MC == 0, 0.0), mask_MC
 
     def _packed_logprobs(
         self,
@@ -108,11 +117,11 @@ class PolicyLogprobs:
         prompt_mask_MP: torch.Tensor,
         completion_ids_MC: torch.Tensor,
         completion_mask_MC: torch.Tensor,
-    ) -> tuple[torch.Tensor, int]:
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Like `_completion_logprobs`, from one packed row: no padding reaches the model.
 
         Returns:
-            (logprobs_MC', C'): float32 log-probs (0 on padding) over the first C' completion columns.
+            (logprobs_MC', entropy_MC', C'): float32, 0 on padding, over the first C' completion columns.
         """
         device = completion_mask_MC.device
         length = max(_span_length(completion_mask_MC), 1)
@@ -127,19 +136,21 @@ class PolicyLogprobs:
         # No attention mask: the varlen attention (see setup) attends within each packed sequence (or
         # shared-prompt group), from segments computed here once for all layers (Python ints: no
         # device sync per layer).
-        logits_1KV = model(
-            input_ids=row.input_ids_1T.to(device),
-            position_ids=row.position_ids_1T.to(device),
-            use_cache=False,
-            logits_to_keep=row.predict_index_K.to(device),
-            segments=row.segments,
-        ).logits
-        logprobs_1K = token_logprobs(
-            logits_1KV,
-            row.target_ids_1K.to(device),
-            temperature=self.temperature,
+        head = _TokenLogprobsHead(row.target_ids_1K.to(device), self.temperature)
+        with head.replacing_output_head(model):
+            model(
+                input_ids=row.input_ids_1T.to(device),
+                position_ids=row.position_ids_1T.to(device),
+                use_cache=False,
+                logits_to_keep=row.predict_index_K.to(device),
+                segments=row.segments,
+            )
+        logprobs_1K, entropy_1K = head.result()
+        return (
+            packing.unpack(logprobs_1K, completion_mask_MC),
+            packing.unpack(entropy_1K, completion_mask_MC),
+            length,
         )
-        return packing.unpack(logprobs_1K, completion_mask_MC), length
 
     def _completion_logprobs(
         self,
@@ -150,15 +161,15 @@ class PolicyLogprobs:
         *,
         group_size: int,
         model: torch.nn.Module,
-    ) -> tuple[torch.Tensor, int]:
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """log softmax(logits / T) of the completion tokens of one micro-batch under `model`, with
-        gradient when enabled.
+        gradient when enabled, and the entropy of softmax(logits / T) at each completion position.
 
         Columns that are padding in every row of the micro-batch are cut first (leading prompt columns,
         trailing completion columns), which changes nothing for the real tokens.
 
         Returns:
-            (logprobs_MC', C'): float32 log-probs over the first C' completion columns.
+            (logprobs_MC', entropy_MC', C'): float32, over the first C' completion columns.
         """
         device = completion_mask_MC.device
         real_prompt_columns = prompt_mask_MP.any(0).nonzero()
@@ -178,19 +189,14 @@ class PolicyLogprobs:
         if self.group is not None:
             shareable = all_reduce_min([float(shareable)], self.group)[0] > 0
         if shareable:
-            logits_MCV = self._shared_prompt_logits(
+            logprobs_MC, entropy_MC = self._shared_prompt_logprobs(
                 prompt_ids_MP, prompt_mask_MP, completion_ids_MC, completion_mask_MC, group_size, model
             )
         else:
-            logits_MCV = self._full_logits(
+            logprobs_MC, entropy_MC = self._full_logprobs(
                 prompt_ids_MP, prompt_mask_MP, completion_ids_MC, completion_mask_MC, model
             )
-        logprobs_MC = token_logprobs(
-            logits_MCV,
-            completion_ids_MC,
-            temperature=self.temperature,
-        )
-        return logprobs_MC, length
+        return logprobs_MC, entropy_MC, length
 
     def _can_share_prompts(
         self, prompt_ids_MP: torch.Tensor, prompt_mask_MP: torch.Tensor, group_size: int
@@ -203,7 +209,7 @@ class PolicyLogprobs:
         mask_GSP = prompt_mask_MP.view(rows // group_size, group_size, -1)
         return bool((ids_GSP == ids_GSP[:, :1]).all() and (mask_GSP == mask_GSP[:, :1]).all())
 
-    def _shared_prompt_logits(
+    def _shared_prompt_logprobs(
         self,
         prompt_ids_MP: torch.Tensor,
         prompt_mask_MP: torch.Tensor,
@@ -211,8 +217,9 @@ class PolicyLogprobs:
         completion_mask_MC: torch.Tensor,
         group_size: int,
         model: torch.nn.Module,
-    ) -> torch.Tensor:
-        """Logits predicting the completion tokens, [M, C, V], with each group's prompt run only once.
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs and entropies of the completion tokens, [M, C] each, with each group's prompt run
+        only once.
 
         The prompt's keys and values are computed once per group (G = M / group_size rows) with
         gradient, repeated for the group's samples, and the completions attend to them: the same
@@ -220,60 +227,147 @@ class PolicyLogprobs:
         """
         prompt_ids_GP = prompt_ids_MP[::group_size]
         prompt_mask_GP = prompt_mask_MP[::group_size]
-        prompt_out = model(
-            input_ids=prompt_ids_GP,
-            attention_mask=prompt_mask_GP,
-            position_ids=(prompt_mask_GP.cumsum(1) - 1).clamp(min=0),
-            use_cache=True,
-            logits_to_keep=1,  # the last prompt position predicts the first completion token
-        )
+        # The last prompt position predicts the first completion token of each of the group's samples.
+        first = _TokenLogprobsHead(completion_ids_MC[:, :1], self.temperature, repeat_rows=group_size)
+        with first.replacing_output_head(model):
+            prompt_out = model(
+                input_ids=prompt_ids_GP,
+                attention_mask=prompt_mask_GP,
+                position_ids=(prompt_mask_GP.cumsum(1) - 1).clamp(min=0),
+                use_cache=True,
+                logits_to_keep=1,
+            )
         cache = prompt_out.past_key_values
         cache.batch_repeat_interleave(group_size)
-        first_logits_M1V = prompt_out.logits.repeat_interleave(group_size, dim=0)
+        first_logprobs_M1, first_entropy_M1 = first.result()
         length = completion_ids_MC.shape[1]
         if length == 1:
-            return first_logits_M1V
+            return first_logprobs_M1, first_entropy_M1
         # Completion tokens 0..C-2 are the inputs whose logits predict tokens 1..C-1.
         attention_mask_MT = torch.cat([prompt_mask_MP, completion_mask_MC.to(prompt_mask_MP.dtype)], dim=1)
         position_ids_MT = (attention_mask_MT.cumsum(1) - 1).clamp(min=0)
-        completion_out = model(
-            input_ids=completion_ids_MC[:, :-1],
-            attention_mask=attention_mask_MT[:, :-1],
-            position_ids=position_ids_MT[:, prompt_ids_MP.shape[1] : -1],
-            **{self._cache_argument(model): cache},
-            use_cache=True,
+        rest = _TokenLogprobsHead(completion_ids_MC[:, 1:], self.temperature)
+        with rest.replacing_output_head(model):
+            model(
+                input_ids=completion_ids_MC[:, :-1],
+                attention_mask=attention_mask_MT[:, :-1],
+                position_ids=position_ids_MT[:, prompt_ids_MP.shape[1] : -1],
+                **{self._cache_argument(model): cache},
+                use_cache=True,
+            )
+        rest_logprobs_MC, rest_entropy_MC = rest.result()
+        return (
+            torch.cat([first_logprobs_M1, rest_logprobs_MC], dim=1),
+            torch.cat([first_entropy_M1, rest_entropy_MC], dim=1),
         )
-        return torch.cat([first_logits_M1V, completion_out.logits], dim=1)
 
     @staticmethod
     def _cache_argument(model: torch.nn.Module) -> str:
         # Newer transformers name the forward's cache argument `cache` (`past_key_values` is deprecated).
         return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
-    def _full_logits(
+    def _full_logprobs(
         self,
         prompt_ids_MP: torch.Tensor,
         prompt_mask_MP: torch.Tensor,
         completion_ids_MC: torch.Tensor,
         completion_mask_MC: torch.Tensor,
         model: torch.nn.Module,
-    ) -> torch.Tensor:
-        """Logits predicting the completion tokens, [M, C, V], from one forward over prompt + completion."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs and entropies of the completion tokens, [M, C] each, from one forward over prompt +
+        completion."""
         length = completion_ids_MC.shape[1]
         input_ids_MT = torch.cat([prompt_ids_MP, completion_ids_MC], dim=1)
         attention_mask_MT = torch.cat([prompt_mask_MP, completion_mask_MC.to(prompt_mask_MP.dtype)], dim=1)
         # Positions count real tokens only, as in generate() with left padding; padding gets position 0.
         position_ids_MT = (attention_mask_MT.cumsum(1) - 1).clamp(min=0)
-        # The logits at positions P-1 .. P+C-2 predict the completion tokens; keeping the last C+1
-        # positions (and dropping the final one) computes the LM head only where it is needed.
-        logits_MCV = model(
-            input_ids=input_ids_MT,
-            attention_mask=attention_mask_MT,
-            position_ids=position_ids_MT,
-            use_cache=False,
-            logits_to_keep=length + 1,
-        ).logits[:, :-1]
-        return logits_MCV
+        # The hidden states at positions P-1 .. P+C-2 predict the completion tokens; keeping the last
+        # C+1 positions (the head drops the final one) runs the head only where it is needed.
+        head = _TokenLogprobsHead(completion_ids_MC, self.temperature, drop_last_position=True)
+        with head.replacing_output_head(model):
+            model(
+                input_ids=input_ids_MT,
+                attention_mask=attention_mask_MT,
+                position_ids=position_ids_MT,
+                use_cache=False,
+                logits_to_keep=length + 1,
+            )
+        return head.result()
+
+
+class _TokenLogprobsHead:
+    """Stands in for a causal LM's output head during one forward pass: instead of the logits of the
+    kept positions it computes the log-probs of `target_ids` there (and the entropies), fused with the
+    head's matrix product (`llamarl.algo.linear_token_logprobs`), so the [tokens, V] logits never exist.
+
+    `repeat_rows`: each row of hidden states predicts the targets of that many consecutive rows (a
+    shared prompt's last position, for each sample of its group). `drop_last_position`: the head gets
+    one position more than there are targets (the last one predicts nothing).
+    """
+
+    def __init__(
+        self,
+        target_ids_BK: torch.Tensor,
+        temperature: float,
+        *,
+        repeat_rows: int = 1,
+        drop_last_position: bool = False,
+    ) -> None:
+        self.target_ids_BK = target_ids_BK
+        self.temperature = temperature
+        self.repeat_rows = repeat_rows
+        self.drop_last_position = drop_last_position
+        self._result: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def __call__(self, hidden_BKH: torch.Tensor, weight_VH: torch.Tensor) -> torch.Tensor:
+        if self.drop_last_position:
+            hidden_BKH = hidden_BKH[:, :-1]
+        if self.repeat_rows > 1:
+            hidden_BKH = hidden_BKH.repeat_interleave(self.repeat_rows, dim=0)
+        self._result = linear_token_logprobs(
+            hidden_BKH, weight_VH, self.target_ids_BK, temperature=self.temperature
+        )
+        return self._result[0]  # what the model returns as its "logits"
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logprobs_BK, entropy_BK) of the forward pass that ran with this head."""
+        if self._result is None:
+            raise RuntimeError("the model's forward never called its output head")
+        result, self._result = self._result, None
+        return result
+
+    @contextlib.contextmanager
+    def replacing_output_head(self, model: torch.nn.Module) -> Iterator[None]:
+        """Within the block, `model`'s output head computes this head's log-probs instead of logits."""
+        head = output_head(model)
+        compute: Callable[[torch.Tensor], torch.Tensor] = lambda hidden: self(hidden, head.weight)  # noqa: E731
+        # An instance attribute shadows the class's forward for this module only; nn.Module.__call__
+        # (and any FSDP2 hooks around it) runs as before. Read `head.weight` at call time: under FSDP2
+        # it is the gathered (mixed-precision) weight only inside the forward pass.
+        head.forward = compute
+        try:
+            yield
+        finally:
+            del head.forward
+
+
+def output_head(model: torch.nn.Module) -> torch.nn.Linear:
+    """The model's output head, checked to be what `linear_token_logprobs` fuses: a bias-free linear layer
+    whose output the model returns as is (no logit soft-capping or scaling after it)."""
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear) or head.bias is not None:
+        raise ValueError(
+            f"{type(model).__name__}: the fused log-prob head needs a bias-free nn.Linear output head, "
+            f"found {type(head).__name__}"
+        )
+    config = getattr(model, "config", None)
+    for name in ("final_logit_softcapping", "logit_scale", "output_multiplier_scale"):
+        if getattr(config, name, None) not in (None, 1, 1.0):
+            raise ValueError(
+                f"{type(model).__name__} transforms its logits after the head ({name}); the fused "
+                "log-prob head does not support it"
+            )
+    return head
 
 
 def _span_length(completion_mask_MC: torch.Tensor) -> int:

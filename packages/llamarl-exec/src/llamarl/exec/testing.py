@@ -109,7 +109,7 @@ def vllm_python_for_tests() -> str:
 
 def build_trainer(model: str, *, temperature: float = 1.0, total_steps: int = 1, **settings):
     """A `PolicyTrainer` for tests, its `TrainerConfig` and `AlgorithmConfig` fields given flat beside
-    the trainer's runtime arguments (device, param_dtype, seed, group), e.g.
+    the trainer's runtime arguments (device, compute_dtype, seed, group), e.g.
     `build_trainer(path, lr=1e-2, pack_tokens=0, kl_coef=0.5, seed=0)`. Not set up."""
     from llamarl.exec.config import AlgorithmConfig, TrainerConfig
     from llamarl.exec.trainer import PolicyTrainer

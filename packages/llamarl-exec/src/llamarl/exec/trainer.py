@@ -11,6 +11,13 @@ Several ranks: given a trainer process group of N ranks, the model is sharded wi
 rank trains on its own part of the batch, and the token and sequence counts that divide the loss are
 all-reduced first, so the gradients summed by FSDP2 are those of the whole batch's loss; clipping uses
 the global norm. An optional frozen reference model (sharded the same way) adds a KL penalty.
+
+Precision: with `compute_dtype="bfloat16"` forward and backward run in bf16 while the parameters the
+optimizer updates, their gradients and the AdamW state stay float32 (master weights): under FSDP2 by its
+mixed-precision policy, on one rank without it by a bf16 compute copy (`llamarl.exec.mixed_precision`).
+
+LoRA (`config.lora.rank` > 0): adapters are injected into the model (`llamarl.exec.lora`), only they
+train, and `sync_tensors()` is only them: the generators hold the same base weights.
 """
 
 from __future__ import annotations
@@ -28,7 +35,9 @@ from llamarl.algo import (
 )
 from llamarl.exec import varlen_attention
 from llamarl.exec.config import AlgorithmConfig, TrainerConfig
+from llamarl.exec.lora import adapter_tensors, add_lora, merged_state_dict
 from llamarl.exec.lr_schedules import lr_factor
+from llamarl.exec.mixed_precision import ComputeCopy
 from llamarl.exec.models import load_model_and_tokenizer, resolve_dtype
 from llamarl.exec.parallel import all_reduce_max, all_reduce_sum, full_tensor, shard_model
 from llamarl.exec.policy_logprobs import PolicyLogprobs
@@ -42,12 +51,15 @@ _MAX_SUFFIX = "_max"
 class PolicyTrainer:
     """Trains the policy on RolloutBatches; implements `llamarl.exec.types.Trainer`.
 
-    `group`: the trainer ranks' process group. With one (of any size, or with `param_dtype` set) the
-    model is sharded with FSDP2 over it and every rank must call `train_step` with its own part of the
-    batch; without one the trainer is a plain single-rank module.
+    `group`: the trainer ranks' process group. With one (of any size) the model is sharded with FSDP2
+    over it and every rank must call `train_step` with its own part of the batch; without one the
+    trainer is a plain single-rank module.
 
     Attributes:
-        model: the policy module (FSDP2 DTensor parameters with a group); weight sync reads them.
+        model: the policy module the optimizer updates, float32 (FSDP2 DTensor parameters with a group);
+            checkpoints save it and weight sync reads it.
+        compute_model: the module forward and backward run on: `model` itself, or its bf16 compute copy
+            under mixed precision without FSDP2.
         ref_model: the frozen reference policy when `kl_coef` > 0, else None.
         policy_version: number of optimizer steps taken; the weights in `model` are this version.
     """
@@ -61,19 +73,19 @@ class PolicyTrainer:
         temperature: float,
         total_steps: int,
         device: str = "cpu",
-        param_dtype: str | None = None,
+        compute_dtype: str | None = None,
         seed: int | None = None,
         group: dist.ProcessGroup | None = None,
     ) -> None:
         """`model`: hub id or local transformers folder of the initial policy. `temperature`: the
         generators' sampling temperature (log-probs use logits / temperature). `total_steps`: the step where
-        a linear or cosine learning-rate schedule reaches 0. `param_dtype`: the compute dtype under FSDP2
-        mixed precision ("bfloat16" on CUDA; needs `group`); parameters and optimizer state stay float32
-        (master weights). `seed` seeds torch's RNG in setup()."""
+        a linear or cosine learning-rate schedule reaches 0. `compute_dtype`: the dtype of forward and
+        backward ("bfloat16": mixed precision; None or "float32": float32 throughout); parameters,
+        gradients and optimizer state stay float32 (master weights) either way. `seed` seeds torch's RNG
+        in setup()."""
         if temperature <= 0:
             raise ValueError(f"temperature must be positive, got {temperature}")
-        if param_dtype is not None and group is None:
-            raise ValueError("param_dtype (mixed precision) needs a trainer group: FSDP2 applies it")
+        compute = resolve_dtype(compute_dtype) if compute_dtype else torch.float32
         # Evaluated once here so that bad warmup/total steps fail before any heavy work.
         lr_factor(0, schedule=config.lr_schedule, warmup_steps=config.warmup_steps, total_steps=total_steps)
         self.model_name = model
@@ -81,12 +93,14 @@ class PolicyTrainer:
         self.algorithm = algorithm
         self.total_steps = total_steps
         self.device = device
-        self.param_dtype = param_dtype
+        self.compute_dtype = compute
         self.seed = seed
         self.group = group
         self.policy_version = 0
         self.model = None
+        self.compute_model = None
         self.ref_model = None
+        self._compute_copy: ComputeCopy | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
         self.loss_fn = get_policy_loss(
@@ -103,19 +117,30 @@ class PolicyTrainer:
         cfg = self.config
         if self.seed is not None:
             torch.manual_seed(self.seed)
-        # float32 parameters: the master weights (and so the optimizer state); FSDP2 casts for compute.
+        # float32 parameters: the master weights (and so the optimizer state); FSDP2 or a compute copy
+        # casts them for compute.
         model, _ = load_model_and_tokenizer(
             self.model_name, dtype=torch.float32, device=self.device, with_tokenizer=False
         )
+        if cfg.lora.rank:
+            add_lora(model, cfg.lora)
         if cfg.activation_checkpointing and not self.is_sharded:  # (under FSDP2: see shard_model)
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False  # no KV cache in training forward passes
         self._use_varlen_attention(model)
         model.train()
         self.model = self._wrap_model(model)
+        self.compute_model = self.model
+        if self.mixed_precision and not self.is_sharded:
+            self._compute_copy = ComputeCopy(self.model, self.compute_dtype)
+            self.compute_model = self._compute_copy.module
         if self.algorithm.kl_coef > 0:
+            # Never trained: without FSDP2 it is loaded in the compute dtype straight away.
             ref, _ = load_model_and_tokenizer(
-                self.model_name, dtype=torch.float32, device=self.device, with_tokenizer=False
+                self.model_name,
+                dtype=torch.float32 if self.is_sharded else self.compute_dtype,
+                device=self.device,
+                with_tokenizer=False,
             )
             ref.requires_grad_(False)
             ref.config.use_cache = False
@@ -128,6 +153,9 @@ class PolicyTrainer:
             [p for p in self.model.parameters() if p.requires_grad],
             lr=cfg.lr,
             weight_decay=cfg.weight_decay,
+            # One fused kernel per parameter instead of about ten elementwise passes over it: 6.5x faster
+            # on the CPU here (26 M parameters: 0.021 s against 0.135 s a step), and on CUDA.
+            fused=True,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
@@ -147,6 +175,8 @@ class PolicyTrainer:
     def close(self) -> None:
         """Drops the models and optimizer state."""
         self.model = None
+        self.compute_model = None
+        self._compute_copy = None
         self.ref_model = None
         self.optimizer = None
         self.scheduler = None
@@ -156,17 +186,21 @@ class PolicyTrainer:
         """Whether the model is under FSDP2 (a trainer group was given)."""
         return self.group is not None
 
+    @property
+    def mixed_precision(self) -> bool:
+        """Whether forward and backward run in a lower precision than the float32 master weights."""
+        return self.compute_dtype != torch.float32
+
     def _wrap_model(self, model: torch.nn.Module, *, frozen: bool = False) -> torch.nn.Module:
         """FSDP2 over the trainer group when there is one (any size, so mixed precision works on one
         rank too); the plain module otherwise. `frozen`: a model that is never trained (the reference)."""
         if self.group is None:
             return model
-        param_dtype = resolve_dtype(self.param_dtype) if self.param_dtype else None
         return shard_model(
             model,
             self.group,
             device=torch.device(self.device),
-            param_dtype=param_dtype,
+            param_dtype=self.compute_dtype if self.mixed_precision else None,
             # A frozen model runs no backward: its root need not stay gathered, nothing to recompute.
             reshard_root_after_forward=frozen,
             activation_checkpointing=self.config.activation_checkpointing and not frozen,
@@ -178,16 +212,26 @@ class PolicyTrainer:
         return int(tokens), int(sequences)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The policy's whole weights on CPU. With a group this is a collective (every trainer rank must
-        call it) and only the group's first rank gets the tensors; the others get an empty dict."""
+        """The policy's whole weights on CPU, float32, under the base model's names (LoRA adapters merged
+        in). With a group this is a collective (every trainer rank must call it) and only the group's
+        first rank gets the tensors; the others get an empty dict."""
         if self.model is None:
             raise RuntimeError("PolicyTrainer.full_state_dict called before setup()")
         if not self.is_sharded:
-            return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+            state = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        else:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_model_state_dict(self.model, options=options)
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            state = get_model_state_dict(self.model, options=options)
+        return merged_state_dict(state, self.config.lora) if self.config.lora.rank and state else state
+
+    def sync_tensors(self) -> torch.nn.Module | dict[str, torch.Tensor]:
+        """What a weight sync sends (llamarl.comm's `WeightSender` reads it at every send): the model, or
+        with LoRA only its adapters' tensors (the generators hold the same frozen base weights)."""
+        if self.model is None:
+            raise RuntimeError("PolicyTrainer.sync_tensors called before setup()")
+        return adapter_tensors(self.model) if self.config.lora.rank else self.model
 
     def train_step(self, batch: RolloutBatch) -> dict[str, float]:
         """One optimizer step on `batch`: micro-batched loss and backward, gradient clipping, AdamW.
@@ -202,7 +246,7 @@ class PolicyTrainer:
             raise RuntimeError("PolicyTrainer.train_step called before setup()")
         start = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
-        metrics = self.accumulate_gradients(batch)
+        metrics = self.accumulate_gradients(batch)  # (into the float32 master gradients)
         # With FSDP2 the gradients are DTensor shards: the norm is reduced over the group (the global
         # norm), and every rank scales its shards by the same factor.
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
@@ -227,11 +271,13 @@ class PolicyTrainer:
         full-batch loss whatever the micro-batching and the split across ranks.
 
         Returns:
-            loss, the loss's metrics, logprob_mean, reward_mean, advantage_abs_mean, num_valid_tokens:
-            all of the whole batch (reduced over the trainer ranks).
+            loss, the loss's metrics, logprob_mean, entropy_mean (of the sampling distribution at the
+            completion positions), reward_mean, advantage_abs_mean, num_valid_tokens: all of the whole
+            batch (reduced over the trainer ranks).
         """
         if self.model is None:
             raise RuntimeError("PolicyTrainer.accumulate_gradients called before setup()")
+        model = self._current_compute_model()
         device = next(self.model.parameters()).device
         advantages_B = self.advantage_fn(batch.rewards_B.float(), batch.group_size)
         num_valid_tokens, num_sequences = self._global_counts(
@@ -241,10 +287,11 @@ class PolicyTrainer:
 
         loss_total = 0.0
         logprob_sum = 0.0
+        entropy_sum = 0.0
         weighted: dict[str, float] = {}
         maxima: dict[str, float] = {}
         for rows in self.forward.micro_batches(batch):
-            logprobs_MC, mask_MC = self.forward.logprobs(self.model, batch, rows, device)
+            logprobs_MC, entropy_MC, mask_MC = self.forward.logprobs(model, batch, rows, device)
             micro_tokens = int(mask_MC.sum())
             length = mask_MC.shape[1]
             loss, loss_metrics = self.loss_fn(
@@ -257,7 +304,7 @@ class PolicyTrainer:
             )
             if self.ref_model is not None:
                 with torch.no_grad():
-                    ref_logprobs_MC, _ = self.forward.logprobs(self.ref_model, batch, rows, device)
+                    ref_logprobs_MC, _, _ = self.forward.logprobs(self.ref_model, batch, rows, device)
                 kl_loss, kl_metrics = kl_penalty_loss(
                     logprobs_MC,
                     ref_logprobs_MC,
@@ -271,6 +318,7 @@ class PolicyTrainer:
             loss.backward()
             loss_total += float(loss.detach())
             logprob_sum += float(logprobs_MC.detach().masked_fill(mask_MC == 0, 0.0).sum())
+            entropy_sum += float(entropy_MC.sum())  # (0 on padding)
             for name, value in loss_metrics.items():
                 value = float(value)
                 if name.endswith(_MAX_SUFFIX):
@@ -285,6 +333,7 @@ class PolicyTrainer:
             [
                 loss_total,
                 logprob_sum,
+                entropy_sum,
                 float(batch.rewards_B.float().sum()),
                 float(advantages_B.abs().sum()),
                 *(weighted[n] for n in weighted_names),
@@ -296,12 +345,13 @@ class PolicyTrainer:
         metrics = {
             "loss": sums[0],
             "logprob_mean": sums[1] / denominator_tokens,
-            "reward_mean": sums[2] / num_rows,
-            "advantage_abs_mean": sums[3] / num_rows,
+            "entropy_mean": sums[2] / denominator_tokens,
+            "reward_mean": sums[3] / num_rows,
+            "advantage_abs_mean": sums[4] / num_rows,
             "num_valid_tokens": float(num_valid_tokens),
         }
         metrics.update(
-            {n: total / denominator_tokens for n, total in zip(weighted_names, sums[4:], strict=True)}
+            {n: total / denominator_tokens for n, total in zip(weighted_names, sums[5:], strict=True)}
         )
         metrics.update(dict(zip(max_names, highs, strict=True)))
         return metrics
@@ -314,9 +364,17 @@ class PolicyTrainer:
         """
         if self.model is None:
             raise RuntimeError("PolicyTrainer.compute_logprobs called before setup()")
+        model = self._current_compute_model()
         device = next(self.model.parameters()).device
         out_BC = torch.zeros(batch.completion_ids_BC.shape, dtype=torch.float32)
         for rows in self.forward.micro_batches(batch):
-            logprobs_MC, mask_MC = self.forward.logprobs(self.model, batch, rows, device)
+            logprobs_MC, _, mask_MC = self.forward.logprobs(model, batch, rows, device)
             out_BC[rows, : mask_MC.shape[1]] = logprobs_MC.masked_fill(mask_MC == 0, 0.0).float().cpu()
         return out_BC
+
+    def _current_compute_model(self) -> torch.nn.Module:
+        """The module to run forward and backward on, holding the master's current weights: a bf16
+        compute copy is refreshed first (the optimizer step, or a checkpoint load, changed the master)."""
+        if self._compute_copy is not None:
+            self._compute_copy.refresh()
+        return self.compute_model

@@ -102,25 +102,31 @@ def _row_attention(
 
     if len(segments) == 1 and not segments[0].branches:  # an unpacked row: one call, no split or copy
         return attend(query_HTD, key_HTD, value_HTD).contiguous()
+    # One split per tensor, not a slice per piece: the backward of a slice writes its gradient into a
+    # zero tensor of the whole row (one per piece, per layer: most of a packed backward's memory traffic
+    # here), the backward of a split is one concatenation.
+    pieces = [n for segment in segments for n in (segment.prefix, *segment.branches)]
+    query_parts = query_HTD.split(pieces, dim=1)
+    key_parts = key_HTD.split(pieces, dim=1)
+    value_parts = value_HTD.split(pieces, dim=1)
     outs_LHD = []
-    start = 0
+    index = 0
     for segment in segments:
-        prefix = slice(start, start + segment.prefix)
-        outs_LHD.append(attend(query_HTD[:, prefix], key_HTD[:, prefix], value_HTD[:, prefix]))
-        start = prefix.stop
+        prefix = index
+        outs_LHD.append(attend(query_parts[prefix], key_parts[prefix], value_parts[prefix]))
+        index += 1
         for length in segment.branches:
             # The branch's keys/values are the prefix's then its own (a copy of the prefix's per branch,
             # small next to the branch's own compute; the prefix's gradient sums over its branches).
-            branch = slice(start, start + length)
             outs_LHD.append(
                 attend(
-                    query_HTD[:, branch],
-                    torch.cat([key_HTD[:, prefix], key_HTD[:, branch]], dim=1),
-                    torch.cat([value_HTD[:, prefix], value_HTD[:, branch]], dim=1),
+                    query_parts[index],
+                    torch.cat([key_parts[prefix], key_parts[index]], dim=1),
+                    torch.cat([value_parts[prefix], value_parts[index]], dim=1),
                     _prefix_causal_mask(length, segment.prefix, query_HTD.device),
                 )
             )
-            start = branch.stop
+            index += 1
     return torch.cat(outs_LHD, dim=0)
 
 

@@ -47,7 +47,7 @@ def weight_channel_address(rank: int, world_size: int) -> WeightChannelAddress:
 
 
 def open_sender(
-    model: torch.nn.Module,
+    model: torch.nn.Module | dict[str, torch.Tensor],
     address: WeightChannelAddress,
     *,
     timeout_s: float,
@@ -55,7 +55,7 @@ def open_sender(
     wire_dtype: torch.dtype | None,
 ) -> tuple[WeightSyncGroup, WeightSender]:
     """A trainer rank's end: joins the group as a source of `model`'s weights (its FSDP2 shards, if
-    sharded). `timeout_s` bounds each step of a sync."""
+    sharded), or of the tensors of a {name: tensor} mapping. `timeout_s` bounds each step of a sync."""
     group = WeightSyncGroup(**asdict(address), timeout_s=timeout_s)
     try:
         return group, WeightSender(group, model, bucket_bytes=bucket_mb << 20, wire_dtype=wire_dtype)

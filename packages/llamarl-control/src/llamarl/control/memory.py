@@ -1,0 +1,134 @@
+"""Memory counted honestly: the peak resident memory of every process of a run, not only the ranks'.
+
+A rank's own `getrusage(RUSAGE_SELF)` misses the processes it starts: its vLLM engine, its reward
+workers, their helpers. `ProcessTreeMemory` samples a process and all its descendants (psutil) from a
+daemon thread every `interval_s`, and keeps each process's peak: the kernel's own high-water mark
+(`VmHWM` in /proc/PID/status, exact however short the peak) where Linux gives it, else the largest RSS
+sampled. A process that exits between two samples keeps the peak read at the last sample before.
+
+Totals are sums of per-process peaks: an upper bound of what the processes held at any one instant
+(their peaks may fall at different times), and the figure comparable across frameworks measured the
+same way (tools/bench_modes.py measures TRL so).
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+MB = 1 << 20
+
+
+class ProcessTreeMemory:
+    """Peak RSS of the calling process (`label`) and of every process below it, sampled in the background.
+
+    `start()` begins sampling, `stop()` takes a last sample and ends the thread; `processes()` lists the
+    peaks so far. Descendants are labelled by what they run (`describe_process`); `worker_label` names
+    the multiprocessing children of this process (a generator rank's are its reward workers).
+    """
+
+    def __init__(self, label: str, *, worker_label: str = "worker process", interval_s: float = 0.5) -> None:
+        self.label = label
+        self.worker_label = worker_label
+        self.interval_s = interval_s
+        self._root = psutil.Process()
+        self._peaks: dict[int, dict[str, Any]] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> ProcessTreeMemory:
+        """Samples now and then every `interval_s` until `stop()`."""
+        self.sample()
+        self._thread = threading.Thread(target=self._run, name="memory-sampler", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Ends the sampling thread after one last sample (idempotent)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10 * self.interval_s + 5)
+            self._thread = None
+        self.sample()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.sample()
+
+    def sample(self) -> None:
+        """Reads the peak of this process and of each descendant alive now."""
+        try:
+            children = self._root.children(recursive=True)
+        except psutil.Error:
+            children = []
+        for process in [self._root, *children]:
+            try:
+                peak = _peak_rss_bytes(process)
+                label = self.label if process.pid == self._root.pid else None
+                with self._lock:
+                    known = self._peaks.get(process.pid)
+                    if known is None:
+                        known = self._peaks[process.pid] = {
+                            "process": label
+                            or describe_process(process, self._root.pid, self.label, self.worker_label),
+                            "pid": process.pid,
+                            "peak_rss_mb": 0.0,
+                        }
+                    known["peak_rss_mb"] = max(known["peak_rss_mb"], peak / MB)
+            except psutil.Error:  # exited (or not ours) between the listing and the read
+                continue
+
+    def processes(self) -> list[dict[str, Any]]:
+        """[{"process": label, "pid": pid, "peak_rss_mb": peak}, ...]: this process first, then its
+        descendants in the order they were first seen."""
+        with self._lock:
+            return [dict(p) for p in self._peaks.values()]
+
+
+def _peak_rss_bytes(process: psutil.Process) -> int:
+    """The process's peak resident memory: the kernel's high-water mark where Linux reports it, else now."""
+    try:
+        for line in Path(f"/proc/{process.pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return process.memory_info().rss
+
+
+def describe_process(
+    process: psutil.Process, root_pid: int, root_label: str, worker_label: str = "worker process"
+) -> str:
+    """What a descendant of a rank is, from its command line: the vLLM engine, a worker, a helper."""
+    try:
+        command = " ".join(process.cmdline())
+        parent = process.ppid()
+    except psutil.Error:
+        return f"{root_label} child"
+    if "vllm_server" in command:
+        what = "vllm engine"
+    elif "resource_tracker" in command:
+        what = "multiprocessing resource tracker"
+    elif "multiprocessing" in command or "spawn_main" in command:
+        what = worker_label if parent == root_pid else "engine helper"
+    else:
+        what = f"child ({process.name()})"
+    return f"{root_label} {what}"
+
+
+def memory_summary(processes: list[dict[str, Any]]) -> dict[str, Any]:
+    """The summary's memory figures: every process's peak and their sum (MB)."""
+    return {
+        "memory_per_process": processes,
+        "peak_rss_mb_total": sum(p["peak_rss_mb"] for p in processes),
+    }
+
+
+def own_peak(label: str) -> dict[str, Any]:
+    """The calling process's peak RSS so far, as one entry of `memory_per_process`."""
+    process = psutil.Process()
+    return {"process": label, "pid": process.pid, "peak_rss_mb": _peak_rss_bytes(process) / MB}

@@ -1,0 +1,37 @@
+"""ProcessTreeMemory: the peaks of a process and of the processes it starts, labelled, and summed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from llamarl.control.memory import ProcessTreeMemory, memory_summary, own_peak
+
+# A child that touches 300 MB, frees it, then idles: its peak is far above what it holds at the end.
+CHILD = (
+    "import time; b = bytearray(300 << 20); b[::4096] = b'x' * len(b[::4096]); del b; "
+    "print('freed', flush=True); time.sleep(30)"
+)
+
+
+@pytest.mark.timeout(60)
+def test_a_child_s_peak_is_counted_after_it_freed_its_memory():
+    memory = ProcessTreeMemory("rank 9 generator", interval_s=0.1).start()
+    child = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "freed"  # (the test's timeout bounds this wait)
+        time.sleep(0.3)  # a sample or two of the child holding little
+        memory.stop()
+    finally:
+        child.kill()
+        child.wait()
+    processes = {p["pid"]: p for p in memory.processes()}
+    assert processes[child.pid]["process"] == "rank 9 generator child (python)"
+    assert processes[child.pid]["peak_rss_mb"] > 300  # the kernel's high-water mark, not the RSS now
+    ours = processes[own_peak("x")["pid"]]
+    assert ours["process"] == "rank 9 generator" and ours["peak_rss_mb"] > 10
+    summary = memory_summary(memory.processes())
+    assert summary["peak_rss_mb_total"] == pytest.approx(sum(p["peak_rss_mb"] for p in processes.values()))
