@@ -2,8 +2,9 @@
 
 Reads the run configuration (`llamarl.control.cli`: flags, `--config FILE`), resolves the model and the
 data, launches the run and prints its summary. Every user error (a bad flag or config file, a missing
-model or data file, a malformed row) ends in one line that says what to fix; a failure inside a rank
-prints that rank's original error once.
+model or data file, a malformed row, an output folder that cannot be written) ends in one line that says
+what to fix (exit code 2); a failure inside a rank prints that rank's original error once (exit code 1);
+Ctrl-C or SIGTERM stops every process and says where the last checkpoint is (exit code 128 + signal).
 """
 
 from __future__ import annotations
@@ -13,7 +14,16 @@ import logging
 import sys
 from pathlib import Path
 
-from llamarl.control import TASKS, ConfigError, DataError, RunConfig, RunFailed, launch, load_examples
+from llamarl.control import (
+    TASKS,
+    ConfigError,
+    DataError,
+    RunConfig,
+    RunFailed,
+    RunInterrupted,
+    launch,
+    load_examples,
+)
 from llamarl.control.cli import parse_run_config
 from llamarl.control.config import replace_in
 from llamarl.control.tasks import hub_unavailable_reason
@@ -111,8 +121,11 @@ def main(task: str, argv: list[str] | None = None) -> int:
     except RunFailed as e:
         print(f"{prog}: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
+    except RunInterrupted as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:  # before any rank started
+        print(f"{prog}: interrupted before the run started", file=sys.stderr)
         return 130
     shown = {
         k: summary[k]

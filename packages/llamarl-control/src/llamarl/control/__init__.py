@@ -13,7 +13,8 @@ _EXPORTS = {
     "ConfigError": "config",
     "RunConfig": "config",
     "parse_run_config": "cli",
-    "RunFailed": "launcher",
+    "RunFailed": "failures",
+    "RunInterrupted": "failures",
     "launch": "launcher",
     "GSM8K": "tasks",
     "MATH": "tasks",
@@ -33,6 +34,7 @@ __all__ = [
     "Example",
     "RunConfig",
     "RunFailed",
+    "RunInterrupted",
     "Task",
     "launch",
     "load_examples",
@@ -42,7 +44,8 @@ __all__ = [
 if TYPE_CHECKING:
     from llamarl.control.cli import parse_run_config
     from llamarl.control.config import ConfigError, RunConfig
-    from llamarl.control.launcher import RunFailed, launch
+    from llamarl.control.failures import RunFailed, RunInterrupted
+    from llamarl.control.launcher import launch
     from llamarl.control.tasks import GSM8K, MATH, TASKS, DataError, Example, Task, load_examples
 
 

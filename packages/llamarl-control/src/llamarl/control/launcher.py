@@ -3,16 +3,19 @@
 Every rank runs `llamarl.control.spmd.run_rank`. When any rank raises or dies, torch elastic
 stops the others. With `max_restarts` R > 0 it then starts all ranks again, up to R times, and every
 restarted rank resumes from the latest complete checkpoint by itself. When no restart is left the
-launcher shows the first rank's original error (its traceback, written by
-the rank itself to OUTPUT_DIR/errors/) once, and raises `RunFailed`.
+launcher shows the first rank's original error (written by the rank itself to OUTPUT_DIR/errors/) once,
+and raises `RunFailed`; Ctrl-C or SIGTERM stops every rank and raises `RunInterrupted`, which says
+where the last checkpoint is (`llamarl.control.failures`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shutil
+import signal
 import time
 import traceback
 import uuid
@@ -22,26 +25,37 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from llamarl.control.cli import RESOLVED_CONFIG, write_config
 from llamarl.control.config import RunConfig, replace_in
+from llamarl.control.failures import (
+    Interrupted,
+    MemoryWatch,
+    RunFailed,
+    RunInterrupted,
+    describe_killed,
+    describe_record,
+    error_record,
+    last_checkpoint_note,
+    prepare_output_dir,
+    raise_on_interrupt,
+    read_error_records,
+)
 from llamarl.control.faults import ERRORS_DIR
 from llamarl.control.net import free_port
 from llamarl.control.spmd import run_rank
 from llamarl.control.tasks import Example
 
+__all__ = ["RunFailed", "RunInterrupted", "launch"]
+
 EXIT_GRACE_S = 2.0  # how long a failed rank waits before exiting, see _rank_main
-
-
-class RunFailed(RuntimeError):
-    """A rank failed; `str()` is the original error, `rank` the rank that raised it first."""
-
-    def __init__(self, message: str, *, rank: int | None) -> None:
-        super().__init__(message)
-        self.rank = rank
+SHUTDOWN_TIMEOUT_S = 30  # after Ctrl-C or SIGTERM, how long ranks get to close before they are killed
+# Ranks are the big consumers of memory: the kernel's out-of-memory killer takes them before the
+# launcher, which then lives to say what happened.
+RANK_OOM_SCORE_ADJ = 300
 
 
 def launch(config: RunConfig, train_examples: list[Example], eval_examples: list[Example]) -> dict[str, Any]:
@@ -50,7 +64,7 @@ def launch(config: RunConfig, train_examples: list[Example], eval_examples: list
     Writes the resolved config to OUTPUT_DIR/config.toml first: `--config` reruns it.
     """
     output_dir = config.output_dir
-    output_dir.mkdir(parents=True, exist_ok=True)
+    prepare_output_dir(output_dir)
     write_config(config, output_dir / RESOLVED_CONFIG)
     errors_dir = output_dir / ERRORS_DIR
     shutil.rmtree(errors_dir, ignore_errors=True)
@@ -69,17 +83,27 @@ def launch(config: RunConfig, train_examples: list[Example], eval_examples: list
         monitor_interval=0.2,
         start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=str(output_dir / "logs")),
+        shutdown_timeout=SHUTDOWN_TIMEOUT_S,
     )
     # torch elastic logs every child failure at ERROR with its traceback; we show it once ourselves.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     logging.getLogger("torch.multiprocessing").setLevel(logging.ERROR)  # "Terminating process ..." notes
     start = time.perf_counter()
     try:
-        results = elastic_launch(launch_config, _rank_main)(
-            config, train_examples, eval_examples, str(errors_dir)
-        )
+        with MemoryWatch() as memory:
+            results = elastic_launch(launch_config, _rank_main)(
+                config, train_examples, eval_examples, str(errors_dir)
+            )
+    except SignalException as e:  # Ctrl-C or SIGTERM: torch elastic stopped every rank
+        raise _interrupted(output_dir, int(e.sigval)) from None
+    except KeyboardInterrupt:  # before torch elastic took over the signals
+        raise _interrupted(output_dir, signal.SIGINT) from None
     except ChildFailedError as e:
-        raise _first_failure(errors_dir, e) from None
+        records = read_error_records(errors_dir)
+        interrupted = [r for r in records.values() if r.get("interrupted")]
+        if interrupted and len(interrupted) == len(records):  # every rank stopped by a signal it got
+            raise _interrupted(output_dir, signal.Signals[interrupted[0]["error"].split(": ")[1]]) from None
+        raise _first_failure(errors_dir, e, memory) from None
     summary = results[0]
     # The ranks measured their own run; the whole command also pays for process start and model loads.
     summary["wall_s"] = time.perf_counter() - start
@@ -93,8 +117,11 @@ def launch(config: RunConfig, train_examples: list[Example], eval_examples: list
 def _rank_main(
     config: RunConfig, train_examples: list[Example], eval_examples: list[Example], errors_dir: str
 ) -> dict[str, Any] | None:
-    """The body of every rank. On error it records its traceback and exits non-zero without printing."""
+    """The body of every rank. On error it records its traceback and exits non-zero without printing;
+    SIGINT and SIGTERM stop it (its side closes its engines and workers) the same way."""
     try:
+        raise_on_interrupt()
+        _prefer_for_oom_kill()
         if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
             # torch elastic restarted the ranks after a failure: continue from the latest checkpoint.
             config = replace_in(config, **{"checkpoint.resume": True})
@@ -106,18 +133,21 @@ def _rank_main(
         return summary
     except BaseException as e:
         rank = int(os.environ.get("RANK", -1))
-        record = {
-            "rank": rank,
-            "time": time.time(),
-            "error": f"{type(e).__name__}: {e}",
-            "traceback": traceback.format_exc(),
-        }
-        Path(errors_dir, f"rank{rank}.json").write_text(json.dumps(record))
+        record = error_record(rank, e, traceback.format_exc())
+        with contextlib.suppress(OSError):  # a full or gone disk: the launcher still sees the exit code
+            Path(errors_dir, f"rank{rank}.json").write_text(json.dumps(record))
+        if isinstance(e, Interrupted):
+            os._exit(128 + e.signum)
         # Torch elastic reports only the first exit it sees. A rank failing because a peer was killed
         # (closed connection) must not exit before the launcher has seen that peer's death, or the
         # run would be blamed on the wrong rank; a short grace period orders the two exits.
         time.sleep(max(0.0, record["time"] + EXIT_GRACE_S - time.time()))
         os._exit(1)  # no traceback on stderr: the launcher prints the first failure once
+
+
+def _prefer_for_oom_kill() -> None:
+    with contextlib.suppress(OSError):  # not Linux, or not allowed: the kernel picks as it would anyway
+        Path("/proc/self/oom_score_adj").write_text(str(RANK_OOM_SCORE_ADJ))
 
 
 def _init_default_group(timeout_s: float) -> None:
@@ -161,24 +191,26 @@ def _default_threads(config: RunConfig) -> int:
     return max(1, cores // per_node)
 
 
-def _first_failure(errors_dir: Path, error: ChildFailedError) -> RunFailed:
+def _first_failure(errors_dir: Path, error: ChildFailedError, memory: MemoryWatch | None) -> RunFailed:
     """The failure that started it: a rank killed by a signal, else the earliest recorded error.
 
     Later errors are usually peers noticing the first one (a closed connection), so they are not shown.
     """
-    records = {}
-    for path in errors_dir.glob("rank*.json"):
-        try:
-            record = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
-            continue
-        records[record["rank"]] = record
+    records = read_error_records(errors_dir)
     # A rank that died without raising (killed, out of memory, segfault) recorded nothing.
     for rank, failure in sorted(error.failures.items()):
         if rank not in records and failure.exitcode < 0 and failure.signal_name() != "SIGTERM":
-            return RunFailed(f"rank {rank} died ({failure.signal_name()})", rank=rank)
+            return RunFailed(describe_killed(rank, failure.pid, failure.signal_name(), memory), rank=rank)
     if records:
         first = min(records.values(), key=lambda r: r["time"])
-        return RunFailed(f"rank {first['rank']} failed:\n{first['traceback'].rstrip()}", rank=first["rank"])
+        return RunFailed(describe_record(first, errors_dir), rank=first["rank"])
     rank, failure = error.get_first_failure()
     return RunFailed(f"rank {rank} exited with code {failure.exitcode}", rank=rank)
+
+
+def _interrupted(output_dir: Path, signum: int) -> RunInterrupted:
+    name = signal.Signals(signum).name
+    return RunInterrupted(
+        f"interrupted ({name}): every process of the run stopped; {last_checkpoint_note(output_dir)}",
+        signum=int(signum),
+    )
