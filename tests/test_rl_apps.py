@@ -147,9 +147,22 @@ def test_dynamic_sampling_drops_groups_with_equal_rewards(tiny_model_dir, gsm8k_
     assert len({r["question"] for r in read_samples(out)}) == 12
 
 
+@pytest.fixture
+def cpu_load():
+    """CPU-bound processes beside the test, one per core: the load under which two stream generators
+    once stalled (a generator that saw the stop before the last sync left the stream one sync behind)."""
+    burners = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)
+    ]
+    yield
+    for burner in burners:
+        burner.kill()
+        burner.wait()
+
+
 @pytest.mark.timeout(600)
 def test_math_app_offline_on_embedded_data_with_two_streaming_generators_and_a_loss_picked_by_name(
-    tiny_model_dir, tmp_path
+    tiny_model_dir, tmp_path, cpu_load
 ):
     out = tmp_path / "math"
     args = common_args(tiny_model_dir, Path("unused"), out)
@@ -157,6 +170,9 @@ def test_math_app_offline_on_embedded_data_with_two_streaming_generators_and_a_l
     result = run_app(
         "math_rl", *args, "--num-generators", "2", "--no-wandb", "--mode", "stream", "--dynamic-sampling",
         "--loss", "dapo", "--advantage", "rloo", "--loss-arg", "clip_high=0.3",
+        # Every weight sync of this tiny model takes well under a second even under load; a generator
+        # left a sync behind makes the final one wait for it, which this deadline turns into a failure.
+        "--weight-sync-timeout", "30",
         env={"HF_HUB_OFFLINE": "1"},
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]

@@ -518,3 +518,21 @@ def test_a_stream_checkpoint_is_a_consistent_cut_that_a_resumed_run_continues_wi
     assert sorted(trained) == list(range(12))  # in first-in-first-out order nothing is skipped
     for batch in trainer2.trainer.trained:  # continued completions keep the versions of their first tokens
         assert (batch.token_version_BC.diff(dim=1) >= 0).all() and batch.completion_ids_BC.shape[1] == 3
+
+
+def test_a_generator_that_sees_the_stop_first_still_takes_the_last_sync():
+    """With several generators the weights go down a chain and the trainer's send returns once the
+    first generator has them, so it can stop the run before a slow generator took its last sync. That
+    generator must take it before leaving the stream, or it is one sync behind the others and the plain
+    sync after the stream never completes (the relaying generator waits for it: the stall under load)."""
+    events: list[str] = []
+    generator, _, link = make_loops(events)
+    control = StreamControl(DictStore())
+    link.send(1)  # the trainer's last sync, on its way to this generator
+    control.announce()
+    control.stop()  # before this generator looked at the control even once
+    sent: list = []
+    outbox = RolloutOutbox(lambda batch, metrics: sent.append(batch), timeout_s=10)
+    generator.stream(control, outbox, in_flight=True)
+    assert generator.policy_version == 1
+    assert sent == [None]  # nothing sampled after the stop; the end of the stream delivered

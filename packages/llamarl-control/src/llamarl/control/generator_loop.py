@@ -280,7 +280,7 @@ class GeneratorLoop:
         starved = 0  # requests in a row whose groups dynamic sampling all dropped
         while True:
             try:
-                if control.stopped():  # set only once every generator took the final sync
+                if control.stopped():  # the trainer announced its last sync before stopping
                     break
                 between_requests()
                 if self.policy_version < 0:  # no usable weights until the trainer sends them again
@@ -328,6 +328,14 @@ class GeneratorLoop:
                 # the weights again); anything else is an engine fault that ends the run.
                 if not (self.replace_engines and self.policy_version < 0 and self.undelivered is None):
                     raise
+        # The stop comes right after the trainer's last sync, but that sync may not have reached this
+        # generator yet: with several generators the weights travel down a chain, and the trainer's send
+        # returns once the first generator has them. Leaving without it would put this generator one sync
+        # behind the others, and the plain sync after the stream would pair its last stream sync with the
+        # others' plain one: the generator relaying to it would wait for it forever (the stall of two
+        # stream generators under load, found from the stack dumps: one generator in the final sync
+        # waiting for the other to post its receives, the other and the trainer already evaluating).
+        take_new_weights()
         outbox.close(self.metrics())
         return self.requests
 
