@@ -119,10 +119,11 @@ def main(task: str, argv: list[str] | None = None) -> int:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     except RunFailed as e:
-        print(f"{prog}: {e}", file=sys.stderr)
+        # On a line of its own: the first trainer rank's progress bar may have been cut mid-line.
+        print(f"\n{prog}: {e}", file=sys.stderr)
         return 1
     except RunInterrupted as e:
-        print(f"{prog}: {e}", file=sys.stderr)
+        print(f"\n{prog}: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:  # before any rank started
         print(f"{prog}: interrupted before the run started", file=sys.stderr)

@@ -16,6 +16,7 @@ Every way a run can end early is one line for the user and an exit code, with th
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -129,11 +130,32 @@ def error_record(rank: int, error: BaseException, traceback_text: str) -> dict[s
     }
 
 
+ERROR_RECORD_BYTES = 64 << 10
+
+
+def reserve_error_record(path: Path) -> None:
+    """Writes `path` full of spaces at the start of a rank, so that its error record can be written
+    over them later even when the disk has filled up meanwhile (a full disk is one of the errors)."""
+    with contextlib.suppress(OSError):
+        path.write_bytes(b" " * ERROR_RECORD_BYTES)
+
+
+def write_error_record(path: Path, record: dict[str, Any]) -> None:
+    """Writes `record` as JSON over the reserved spaces (the traceback shortened to fit)."""
+    data = json.dumps(record).encode()
+    if len(data) > ERROR_RECORD_BYTES:
+        keep = max(0, len(record["traceback"]) - (len(data) - ERROR_RECORD_BYTES) - 100)
+        data = json.dumps({**record, "traceback": "...\n" + record["traceback"][-keep:]}).encode()
+    with contextlib.suppress(OSError), path.open("r+b" if path.exists() else "wb") as f:
+        f.write(data)
+        f.truncate(len(data))
+
+
 def read_error_records(errors_dir: Path) -> dict[int, dict[str, Any]]:
     records = {}
     for path in errors_dir.glob("rank*.json"):
         try:
-            record = json.loads(path.read_text())
+            record = json.loads(path.read_text())  # spaces only: a rank that did not fail
         except (OSError, json.JSONDecodeError):
             continue
         records[record["rank"]] = record
@@ -165,6 +187,7 @@ class MemoryWatch:
         self.available_mb: float | None = None
         self.total_mb: float | None = None
         self.oom_kills_at_start = cgroup_oom_kills()
+        self.started_uptime_s = uptime_s()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="memory-watch", daemon=True)
 
@@ -226,23 +249,38 @@ def cgroup_oom_kills() -> int | None:
     return None
 
 
-def kernel_oom_line(pid: int) -> str | None:
-    """The kernel log's line saying the OOM killer killed `pid`, if the log is readable here."""
+def uptime_s() -> float | None:
+    """Seconds since boot (the kernel log's clock)."""
     try:
-        log = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=10).stdout
+        return float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def kernel_log() -> str | None:
+    """The kernel's log (dmesg), or None where it is not readable."""
+    try:
+        result = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
-    pattern = re.compile(
-        rf"(Out of memory|oom-kill|Memory cgroup out of memory).*\b(Killed process|pid=){pid}\b"
-    )
+    return result.stdout if result.returncode == 0 else None
+
+
+def kernel_oom_line(log: str, pid: int, *, since_s: float | None) -> str | None:
+    """The kernel log's line saying that the out-of-memory killer killed `pid` (at or after `since_s`
+    seconds since boot, so that an earlier process with the same pid does not count)."""
     for line in reversed(log.splitlines()):
-        if pattern.search(line) or re.search(rf"Killed process {pid}\b", line):
-            return line.split("] ", 1)[-1].strip()
+        if not re.search(rf"(Killed process |oom-kill:.*pid=){pid}\b", line):
+            continue
+        stamp = re.match(r"\[\s*(\d+\.\d+)\]", line)
+        if since_s is not None and stamp is not None and float(stamp.group(1)) < since_s:
+            return None
+        return line.split("] ", 1)[-1].strip()
     return None
 
 
 def describe_killed(rank: int, pid: int, signal_name: str, watch: MemoryWatch | None) -> str:
-    """One line for a rank that died of a signal, saying when the out-of-memory killer did it."""
+    """One line for a rank that died of a signal, saying whether the out-of-memory killer did it."""
     memory = ""
     if watch is not None and pid in watch.peak_rss_mb:
         memory = f"; it used {watch.peak_rss_mb[pid]:.0f} MB with its engines and workers"
@@ -250,24 +288,31 @@ def describe_killed(rank: int, pid: int, signal_name: str, watch: MemoryWatch | 
             memory += (
                 f", the machine had {watch.available_mb:.0f} of {watch.total_mb:.0f} MB free at the last look"
             )
-    if signal_name == "SIGKILL":
-        line = kernel_oom_line(pid)
-        if line is not None:
-            return (
-                f"rank {rank} (pid {pid}) was killed by the kernel's out-of-memory killer{memory} "
-                f"(kernel log: {line}); use fewer or smaller batches, or more memory"
-            )
-        before, after = (watch.oom_kills_at_start if watch else None), cgroup_oom_kills()
-        if before is not None and after is not None and after > before:
-            return (
-                f"rank {rank} (pid {pid}) died (SIGKILL): the kernel's out-of-memory killer killed "
-                f"{after - before} process(es) of this memory cgroup meanwhile{memory}; use fewer or "
-                "smaller batches, or more memory"
-            )
+    if signal_name != "SIGKILL":
+        return f"rank {rank} died ({signal_name}; pid {pid}{memory})"
+    advice = "; use fewer or shorter sequences per step, or more memory"
+    log = kernel_log()
+    line = (
+        None if log is None else kernel_oom_line(log, pid, since_s=watch.started_uptime_s if watch else None)
+    )
+    if line is not None:
+        killer = f"the kernel's out-of-memory killer killed it ({line})"
+        return f"rank {rank} died (SIGKILL): {killer}{memory}{advice}"
+    before, after = (watch.oom_kills_at_start if watch else None), cgroup_oom_kills()
+    if before is not None and after is not None and after > before:
         return (
-            f"rank {rank} (pid {pid}) died (SIGKILL){memory}; no out-of-memory kill in the kernel's records"
+            f"rank {rank} died (SIGKILL): the kernel's out-of-memory killer killed {after - before} "
+            f"process(es) of this run's memory cgroup meanwhile (pid {pid}){memory}{advice}"
         )
-    return f"rank {rank} (pid {pid}) died ({signal_name}){memory}"
+    if log is not None:
+        return (
+            f"rank {rank} died (SIGKILL): not by the out-of-memory killer (none in the kernel log; "
+            f"pid {pid}{memory})"
+        )
+    return (
+        f"rank {rank} died (SIGKILL; pid {pid}{memory}); the kernel log is not readable here to tell whether "
+        "the out-of-memory killer did it"
+    )
 
 
 # --------------------------------------------------------------------------------------------------

@@ -4,10 +4,15 @@
 
 - "RANK:TICK" raises on that rank at the start of that tick (tick -1: before the first evaluation);
 - "RANK:TICK:kill" kills it there instead (SIGKILL: no cleanup, as the out-of-memory killer does);
+- "RANK:TICK:oom" makes it allocate memory until the kernel's out-of-memory killer kills it (for tests
+  that run the app under a memory limit; without one it gives up at 8 GiB and raises);
 - a last ":checkpoint" strikes inside that tick's checkpoint write, after the rank wrote its part and
   before the commit;
 - "RANK:N:engine" kills (SIGKILL) that generator rank's vLLM engine half a second into its stream
   request N; the rank itself lives on.
+
+In stream mode a tick is a step on the trainer ranks (the step that makes version TICK + 1; its
+checkpoint is written at the end of it) and a request number on a generator rank.
 
 Faults strike in the first attempt only, never after torch elastic restarted the ranks: the restarted run
 must get past the point where the first attempt failed.
@@ -37,20 +42,21 @@ class Fault:
     tick: int  # the tick, or the stream request number of an engine fault
     kill: bool  # SIGKILL instead of an exception
     phase: Phase
+    oom: bool = False  # allocate until the out-of-memory killer strikes
 
     @classmethod
     def parse(cls, spec: str) -> Fault:
-        """A fault from "RANK:TICK[:kill][:checkpoint]" or "RANK:REQUEST:engine"."""
+        """A fault from "RANK:TICK[:kill|:oom][:checkpoint]" or "RANK:REQUEST:engine"."""
         parts = spec.split(":")
         try:
             rank, tick = int(parts[0]), int(parts[1])
         except (IndexError, ValueError):
             raise ValueError(
-                f"{FAULT_ENV}={spec!r}: expected RANK:TICK[:kill][:checkpoint] or RANK:N:engine"
+                f"{FAULT_ENV}={spec!r}: expected RANK:TICK[:kill|:oom][:checkpoint] or RANK:N:engine"
             ) from None
         flags = set(parts[2:])
         phase: Phase = "checkpoint" if "checkpoint" in flags else "request" if "engine" in flags else "tick"
-        return cls(rank, tick, "kill" in flags, phase)
+        return cls(rank, tick, "kill" in flags, phase, oom="oom" in flags)
 
 
 class FaultInjector:
@@ -85,4 +91,16 @@ class FaultInjector:
         (self.output_dir / ERRORS_DIR / "injected_fault.json").write_text(json.dumps(marker))
         if fault.kill:
             os.kill(os.getpid(), signal.SIGKILL)
+        if fault.oom:
+            _allocate_until_killed()
         raise RuntimeError(f"injected failure on rank {self.rank} at tick {tick}, {phase} ({FAULT_ENV})")
+
+
+def _allocate_until_killed(limit_gib: int = 8) -> None:
+    """Touches 64 MiB after 64 MiB of memory until the kernel kills this process; raises past the limit."""
+    held = []
+    for _ in range(limit_gib * 16):
+        held.append(b"\x01" * (64 << 20))  # written, so resident: bytes(n) alone may stay unbacked
+    raise MemoryError(
+        f"{FAULT_ENV}: allocated {limit_gib} GiB and no out-of-memory kill came (no memory limit?)"
+    )

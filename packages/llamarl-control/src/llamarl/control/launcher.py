@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 import signal
+import sys
 import time
 import traceback
 import uuid
@@ -43,6 +44,8 @@ from llamarl.control.failures import (
     prepare_output_dir,
     raise_on_interrupt,
     read_error_records,
+    reserve_error_record,
+    write_error_record,
 )
 from llamarl.control.faults import ERRORS_DIR
 from llamarl.control.net import free_port
@@ -85,6 +88,11 @@ def launch(config: RunConfig, train_examples: list[Example], eval_examples: list
         logs_specs=DefaultLogsSpecs(log_dir=str(output_dir / "logs")),
         shutdown_timeout=SHUTDOWN_TIMEOUT_S,
     )
+    # A rank that dies without cleaning up (killed, or failed: it exits at once) leaves a semaphore of
+    # its progress bar registered with the launcher's multiprocessing resource tracker, which would warn
+    # about it in two lines of noise after the one that says what happened: the tracker (started with
+    # this process's warning options) is told to keep quiet about it.
+    sys.warnoptions.append("ignore:resource_tracker:UserWarning")
     # torch elastic logs every child failure at ERROR with its traceback; we show it once ourselves.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     logging.getLogger("torch.multiprocessing").setLevel(logging.ERROR)  # "Terminating process ..." notes
@@ -99,11 +107,7 @@ def launch(config: RunConfig, train_examples: list[Example], eval_examples: list
     except KeyboardInterrupt:  # before torch elastic took over the signals
         raise _interrupted(output_dir, signal.SIGINT) from None
     except ChildFailedError as e:
-        records = read_error_records(errors_dir)
-        interrupted = [r for r in records.values() if r.get("interrupted")]
-        if interrupted and len(interrupted) == len(records):  # every rank stopped by a signal it got
-            raise _interrupted(output_dir, signal.Signals[interrupted[0]["error"].split(": ")[1]]) from None
-        raise _first_failure(errors_dir, e, memory) from None
+        raise _first_failure(errors_dir, e, memory, output_dir) from None
     summary = results[0]
     # The ranks measured their own run; the whole command also pays for process start and model loads.
     summary["wall_s"] = time.perf_counter() - start
@@ -119,8 +123,10 @@ def _rank_main(
 ) -> dict[str, Any] | None:
     """The body of every rank. On error it records its traceback and exits non-zero without printing;
     SIGINT and SIGTERM stop it (its side closes its engines and workers) the same way."""
+    record_path = Path(errors_dir, f"rank{os.environ.get('RANK', -1)}.json")
     try:
         raise_on_interrupt()
+        reserve_error_record(record_path)
         _prefer_for_oom_kill()
         if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
             # torch elastic restarted the ranks after a failure: continue from the latest checkpoint.
@@ -134,8 +140,7 @@ def _rank_main(
     except BaseException as e:
         rank = int(os.environ.get("RANK", -1))
         record = error_record(rank, e, traceback.format_exc())
-        with contextlib.suppress(OSError):  # a full or gone disk: the launcher still sees the exit code
-            Path(errors_dir, f"rank{rank}.json").write_text(json.dumps(record))
+        write_error_record(record_path, record)
         if isinstance(e, Interrupted):
             os._exit(128 + e.signum)
         # Torch elastic reports only the first exit it sees. A rank failing because a peer was killed
@@ -191,19 +196,27 @@ def _default_threads(config: RunConfig) -> int:
     return max(1, cores // per_node)
 
 
-def _first_failure(errors_dir: Path, error: ChildFailedError, memory: MemoryWatch | None) -> RunFailed:
+def _first_failure(
+    errors_dir: Path, error: ChildFailedError, memory: MemoryWatch | None, output_dir: Path
+) -> RunFailed | RunInterrupted:
     """The failure that started it: a rank killed by a signal, else the earliest recorded error.
 
-    Later errors are usually peers noticing the first one (a closed connection), so they are not shown.
+    Later errors are usually peers noticing the first one (a closed connection), and ranks that
+    torch elastic stopped (SIGTERM) after it, so they are not shown. Only when every failed rank was
+    stopped by a signal sent to it (not to the launcher) is the run reported as interrupted.
     """
     records = read_error_records(errors_dir)
     # A rank that died without raising (killed, out of memory, segfault) recorded nothing.
     for rank, failure in sorted(error.failures.items()):
         if rank not in records and failure.exitcode < 0 and failure.signal_name() != "SIGTERM":
             return RunFailed(describe_killed(rank, failure.pid, failure.signal_name(), memory), rank=rank)
-    if records:
-        first = min(records.values(), key=lambda r: r["time"])
+    failed = [r for r in records.values() if not r.get("interrupted")]
+    if failed:
+        first = min(failed, key=lambda r: r["time"])
         return RunFailed(describe_record(first, errors_dir), rank=first["rank"])
+    if records:  # SIGINT or SIGTERM sent to the ranks themselves
+        first = min(records.values(), key=lambda r: r["time"])
+        return _interrupted(output_dir, signal.Signals[first["error"].split(": ", 1)[1]])
     rank, failure = error.get_first_failure()
     return RunFailed(f"rank {rank} exited with code {failure.exitcode}", rank=rank)
 
