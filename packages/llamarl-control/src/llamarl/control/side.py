@@ -38,7 +38,7 @@ from llamarl.control import checkpoint as ckpt
 from llamarl.control.channels.weights import FIRST_TRAINER_RANK, WeightChannelAddress, weight_channel_address
 from llamarl.control.config import RunConfig
 from llamarl.control.devices import rank_device
-from llamarl.control.evaluation import EvalResult
+from llamarl.control.evaluation import EvalProgress, EvalResult
 from llamarl.control.faults import FaultInjector
 from llamarl.control.prompts import load_tokenizer
 from llamarl.control.schedule import Phase, Tick, lockstep_ticks
@@ -72,7 +72,6 @@ class Side:
         self.start_tick = 0  # the first tick (stream: step) to run (after the resumed checkpoint's)
         self._eval_s_in_loop = 0.0  # time spent evaluating inside the training loop (not training)
         self._evaluations = 0  # evaluations so far (every rank counts the same)
-        self._last_heartbeat = 0.0
         # The shuffled order of the training prompts: every rank computes the same one from the seed.
         self.prompt_order = list(range(len(train_examples)))
         random.Random(config.seed).shuffle(self.prompt_order)
@@ -326,13 +325,14 @@ class Side:
         sampled_Q = torch.zeros(num_questions, dtype=torch.float64)
         version = torch.zeros(1, dtype=torch.int64)  # the generators' policy_version (all hold the same)
         self._evaluations += 1
+        self._eval_progress = EvalProgress(self.store, self._evaluations)
         with self.timeline.phase("eval", self.tick):
             self.score_evaluation(greedy_Q, sampled_Q, version)
             if self.rank in self.generator_ranks:
-                self.store.add(f"eval/{self._evaluations}/done", 1)
+                self._eval_progress.done()
             # Collectives wait at most launch.timeout_s; an evaluation may take longer, so every rank
             # first waits here for as long as the generators show progress.
-            self._await_evaluators(self._evaluations)
+            self._eval_progress.wait(len(self.generator_ranks), timeout_s=self.config.launch.timeout_s)
             for tensor in (greedy_Q, sampled_Q):
                 dist.all_reduce(tensor)
             dist.all_reduce(version, op=dist.ReduceOp.MAX)
@@ -345,28 +345,9 @@ class Side:
         return result
 
     def eval_heartbeat(self) -> None:
-        """A generator scoring its share shows progress (at most about once a second)."""
-        now = time.monotonic()
-        if now - self._last_heartbeat >= 1.0:
-            self._last_heartbeat = now
-            self.store.add(f"eval/{self._evaluations}/progress", 1)
-
-    def _await_evaluators(self, number: int, poll_s: float = 0.2) -> None:
-        """Waits until every generator scored its share of evaluation `number`: as long as they make
-        progress (`eval_heartbeat`), never more than `launch.timeout_s` without any."""
-        timeout_s = self.config.launch.timeout_s
-        done_key, progress_key = f"eval/{number}/done", f"eval/{number}/progress"
-        seen, since = -1, time.monotonic()
-        while self.store.add(done_key, 0) < len(self.generator_ranks):
-            progress = self.store.add(progress_key, 0)
-            if progress != seen:
-                seen, since = progress, time.monotonic()
-            elif time.monotonic() - since > timeout_s:
-                raise TimeoutError(
-                    f"the evaluation made no progress for {timeout_s:.0f} s (launch.timeout_s): a "
-                    "generator is stuck or gone"
-                )
-            time.sleep(poll_s)
+        """A generator scoring its share of the evaluation under way shows progress (cheap: at most
+        about once a second it reaches the store)."""
+        self._eval_progress.beat()
 
     # ----------------------------------------------------------------------------------------------
     # the end
