@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from stream_checks import assert_every_prompt_trained_at_most_once_and_none_skipped
 
 from llamarl.control.timeline import read_chrome_trace
 from llamarl.exec.testing import vllm_python_for_tests
@@ -226,6 +227,22 @@ def test_arith_app_evaluates_greedy_and_sampled_with_a_paired_interval(tiny_mode
 
 
 @pytest.mark.timeout(600)
+def test_a_long_evaluation_never_trips_the_timeout_on_the_waiting_ranks(tiny_model_dir, gsm8k_dir, tmp_path):
+    """384 held-out questions take longer than --timeout 15 (the deadline of every collective) while the
+    trainer waits for the generator's scores; it waits as long as the generator shows progress."""
+    out = tmp_path / "long_eval"
+    args = common_args(tiny_model_dir, gsm8k_dir, out)
+    args[args.index("--eval-size") + 1] = "384"
+    args[args.index("--max-new-tokens") + 1] = "32"
+    args[args.index("--steps") + 1] = "1"
+    result = run_app("gsm8k_rl", *args, "--mode", "sync", "--no-wandb", "--timeout", "15")
+    assert result.returncode == 0, result.stderr[-4000:]
+    spans, _ = read_chrome_trace(out / "trace.json")
+    waited = [s.end - s.start for s in spans[0] if s.name == "eval"]  # the trainer's waits
+    assert len(waited) == 2 and min(waited) > 15, f"the evaluations were too short to test it: {waited}"
+
+
+@pytest.mark.timeout(600)
 def test_app_trains_on_two_fsdp2_trainer_ranks(tiny_model_dir, gsm8k_dir, tmp_path):
     """Ranks 0-1 train under FSDP2 (packed micro-batches, a KL-penalised reference, cosine schedule),
     rank 2 generates; the final model is gathered from the shards and saved."""
@@ -377,37 +394,48 @@ def test_gsm8k_app_with_vllm_generator(small_model_dir, gsm8k_dir, tmp_path):
 
 
 @pytest.mark.vllm
-@pytest.mark.timeout(600)
-def test_stream_run_replaces_a_killed_vllm_engine_while_the_trainer_keeps_its_state(
+@pytest.mark.timeout(900)
+def test_stream_run_replaces_a_killed_vllm_engine_and_resumes_its_work_in_flight_from_a_checkpoint(
     small_model_dir, gsm8k_dir, tmp_path
 ):
-    """kill -9 of a generator's engine mid-run (stream mode): the generator rank starts a new engine,
-    which rejoins the weight-sync group and gets the trainer's current weights; the request that died
-    is sampled again, nothing is sampled or trained twice, and the run ends with all its steps."""
+    """kill -9 of a generator's engine mid-run (stream mode, a checkpoint every step): the generator rank
+    starts a new engine, which rejoins the weight-sync group and gets the trainer's current weights; the
+    request that died is sampled again and the run ends with all its steps. A second run resumes from the
+    last checkpoint (its buffered groups and the engine's paused requests, partial completions included)
+    and goes on to step 5: over both, every prompt is trained on at most once and none is skipped."""
     python = vllm_python_for_tests()
     out = tmp_path / "vllm_stream"
-    result = run_app(
-        "gsm8k_rl", *common_args(small_model_dir, gsm8k_dir, out), "--generator", "vllm",
-        "--vllm-python", python, "--no-wandb", "--mode", "stream", "--max-new-tokens", "48",
+    args = [
+        *common_args(small_model_dir, gsm8k_dir, out), "--generator", "vllm", "--vllm-python", python,
+        "--no-wandb", "--mode", "stream", "--max-new-tokens", "48", "--checkpoint-every", "1",
         # A sync caught in the engine's death fails within this deadline and is sent again on request.
         "--weight-sync-timeout", "30",
-        env={"LLAMARL_FAULT": "1:1:engine"}, timeout=560,
-    )  # fmt: skip
+    ]  # fmt: skip
+    result = run_app("gsm8k_rl", *args, env={"LLAMARL_FAULT": "1:1:engine"}, timeout=560)
     assert result.returncode == 0, result.stderr[-6000:]
     assert "restarting the engine" in result.stderr, result.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["final_policy_version"] == 3
     assert summary["engine_restarts"] == 1
     assert summary["policy_lag_max"] <= 1
-    # Nothing sampled twice: every question's group appears once in the samples (2 per prompt).
-    questions = [r["question"] for r in read_samples(out)]
-    assert all(questions.count(q) == 2 for q in questions)
+    assert_every_prompt_trained_at_most_once_and_none_skipped(
+        out, steps=3, prompts_per_step=2, num_generators=1, none_dropped=False
+    )
     # The new engine got the trainer's weights (not the checkpoint) and served the final policy.
     log = (out / "logs" / "vllm_engine.rank1.log").read_text()
     _, marker, after = log.partition("restarting the vLLM engine")
     assert marker, log[-3000:]
     served_after = [int(v) for v in re.findall(r"serves policy_version (\d+)", after)]
     assert served_after and served_after[-1] == 3, log[-3000:]
+
+    args[args.index("--steps") + 1] = "5"
+    result = run_app("gsm8k_rl", *args, "--resume", timeout=560)
+    assert result.returncode == 0, result.stderr[-6000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["resumed_from_step"] == 3 and summary["final_policy_version"] == 5
+    assert_every_prompt_trained_at_most_once_and_none_skipped(
+        out, steps=5, prompts_per_step=2, num_generators=1, none_dropped=False
+    )
 
 
 def test_vllm_generator_without_its_environment_is_a_one_line_error(tiny_model_dir, gsm8k_dir, tmp_path):

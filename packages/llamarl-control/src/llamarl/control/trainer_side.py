@@ -341,7 +341,7 @@ class TrainerSide(Side):
             "dropped_stale_groups": counts.dropped_stale,
             "received_groups": counts.received,
             "unused_groups": counts.received - counts.taken - counts.dropped_stale,
-            "discarded_batches": discarded[0],
+            "discarded_groups": discarded[0],  # arrived after the last step: sampled, never trained
             "dropped_stale_frac": counts.dropped_stale / max(1, counts.taken + counts.dropped_stale),
         }
 

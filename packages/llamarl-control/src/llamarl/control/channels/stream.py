@@ -249,7 +249,7 @@ def drain_into_buffer(
 
     Batches arriving after the buffer closed (the run is over) are received and discarded, so the
     generator's sending thread never blocks; checkpoint markers are counted in the buffer. Returns the
-    number of batches discarded.
+    number of groups discarded.
     """
     discarded = 0
     while True:
@@ -263,4 +263,4 @@ def drain_into_buffer(
         try:
             buffer.put(batch, timeout_s=timeout_s)
         except BufferClosed:
-            discarded += 1
+            discarded += batch.num_sequences // batch.group_size
