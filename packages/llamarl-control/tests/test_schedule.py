@@ -46,7 +46,9 @@ class FakeGenerator:
         self.policy_version = self.link.receive()
         return self.policy_version
 
-    def generate(self, prompts, *, samples_per_prompt, max_new_tokens, between_steps=None) -> RolloutBatch:
+    def generate(
+        self, prompts, *, samples_per_prompt, max_new_tokens, greedy=False, between_steps=None
+    ) -> RolloutBatch:
         """Draws min(steps, max_new_tokens) tokens (a continued completion: what its budget allows); a
         `between_steps` that raises PauseGeneration stops it with what it drew (GenerationPaused)."""
         B = len(prompts) * samples_per_prompt
@@ -536,3 +538,20 @@ def test_a_generator_that_sees_the_stop_first_still_takes_the_last_sync():
     generator.stream(control, outbox, in_flight=True)
     assert generator.policy_version == 1
     assert sent == [None]  # nothing sampled after the stop; the end of the stream delivered
+
+
+def test_a_generator_two_syncs_behind_takes_both_in_order():
+    """The trainer can announce a sync before a slow generator took the previous one (the first generator
+    of the chain has them; the trainer trained on buffered groups meanwhile): the slow one receives
+    each, one after the other, and never counts two announcements for one receive."""
+    events: list[str] = []
+    generator, _, link = make_loops(events)
+    control = StreamControl(DictStore())
+    for version in (1, 2):
+        link.send(version)
+        control.announce()
+    control.stop()
+    outbox = RolloutOutbox(lambda batch, metrics: None, timeout_s=10)
+    generator.stream(control, outbox, in_flight=True)
+    assert generator.policy_version == 2
+    assert link._to_generator.empty()  # nothing left unreceived

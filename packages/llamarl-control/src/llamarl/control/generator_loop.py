@@ -236,26 +236,30 @@ class GeneratorLoop:
         self._pauses_served = 0
 
         def take_new_weights() -> None:
-            announced = control.announced()
-            if announced <= self._syncs_taken:
-                return
-            # One sync at a time: the trainer announces the next only after every generator took this.
-            self._syncs_taken = announced
-            try:
-                self.receive_weights()
-                if self._rejoining:
-                    # A rejoined engine's first receive skips syncs formed before it existed and gets
-                    # the next one: whatever was announced up to now is taken.
-                    self._rejoining = False
-                    self._syncs_taken = max(self._syncs_taken, control.announced())
-            except EngineLost:
-                raise  # this generator's own engine died: replaced by the request loop
-            except (WeightSyncError, EngineError) as e:  # another engine died during it: ask again
-                if not self.replace_engines:
-                    raise
-                print(f"generator: weight sync failed ({e}); asking for the weights again", file=sys.stderr)
-                self.generator.policy_version = None
-                control.want_weights()
+            # Every announced sync, one receive each, in order. A generator may be more than one behind:
+            # with several generators the weights go down a chain and the trainer's send returns once
+            # the first one has them, so the trainer can train and announce again before a slow one
+            # took the last; skipping one would leave the generator relaying to this one waiting on it.
+            while self._syncs_taken < control.announced():
+                self._syncs_taken += 1
+                try:
+                    self.receive_weights()
+                    if self._rejoining:
+                        # A rejoined engine's first receive skips syncs formed before it existed and
+                        # gets the next one: whatever was announced up to now is taken.
+                        self._rejoining = False
+                        self._syncs_taken = max(self._syncs_taken, control.announced())
+                except EngineLost:
+                    raise  # this generator's own engine died: replaced by the request loop
+                except (WeightSyncError, EngineError) as e:  # another engine died during it: ask again
+                    if not self.replace_engines:
+                        raise
+                    print(
+                        f"generator: weight sync failed ({e}); asking for the weights again", file=sys.stderr
+                    )
+                    self.generator.policy_version = None
+                    control.want_weights()
+                    return
 
         def serve_pauses() -> None:
             while self._pauses_served < control.pauses_requested():
