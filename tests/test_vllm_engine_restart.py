@@ -15,7 +15,7 @@ itself, `connect_weight_sync`, as a generator rank does). The story:
    which reports 3, and its behaviour log-probs equal the trainer's log_softmax(logits / T) within 1e-3
    (and are far from those of the checkpoint the new engine started from).
 
-Skipped only when no vLLM environment exists (failed instead under LLAMARL_REQUIRE_VLLM=1, as in CI).
+Marked `vllm`: the workspace's conftest.py builds the vLLM environment first when it is missing.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ from pathlib import Path
 import pytest
 import torch
 from rank_handshake import perturb, touch, wait_for
+
+pytestmark = pytest.mark.vllm  # the real engine (conftest.py builds its environment)
 
 TEMPERATURE = 0.7
 SYNC_TIMEOUT_S = 60.0  # every wait of the weight-sync group; the outage send must fail well before it

@@ -125,8 +125,6 @@ class FlopFloor:
 
     def prompt_tokens_per_step(self, out: Path) -> float:
         """Each group's prompt once, from the questions the generators logged (chat template applied)."""
-        from llamarl.control.tasks import TASKS, Example
-
         groups = set()
         for path in out.glob("samples.rank*.jsonl"):
             for line in path.read_text().splitlines():
@@ -134,10 +132,8 @@ class FlopFloor:
                 groups.add((row["tick"], path.name, row["question"]))
         if not groups:
             return 0.0
-        lengths = [
-            self._prompt_length(TASKS["gsm8k"].messages(Example(question=q, reference="")))
-            for *_, q in groups
-        ]
+        # The logged question is the prompt as the user message holds it.
+        lengths = [self._prompt_length([{"role": "user", "content": q}]) for *_, q in groups]
         steps = len({(tick, name) for tick, name, _ in groups})
         return sum(lengths) / steps
 

@@ -50,15 +50,15 @@ def main() -> int:
     except ImportError as error:
         raise SystemExit("TRL is needed: uv run --with trl==1.16.0 tools/bench_trl.py ...") from error
 
-    from llamarl.control.tasks import TASKS, load_examples
+    from llamarl.control.tasks import TASKS, load_rows
     from llamarl.exec import gsm8k_reward, smollm2_path
 
     task = TASKS["gsm8k"]
     data = args.data or str(Path(__file__).resolve().parents[1] / "apps" / "data" / "gsm8k")
-    examples = load_examples(task, data, "train")
+    rows = load_rows(task, data, "train")
     count = args.steps * args.prompts_per_step
     dataset = Dataset.from_list(
-        [{"prompt": task.messages(e), "reference": e.reference} for e in examples[: max(count * 4, 64)]]
+        [{"prompt": task.messages(r), "reference": r["answer"]} for r in rows[: max(count * 4, 64)]]
     )
 
     def reward(completions, reference, **_) -> list[float]:

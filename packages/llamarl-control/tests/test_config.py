@@ -124,7 +124,6 @@ def test_a_bad_config_file_is_one_line_naming_the_key(tmp_path, text, message):
         (["--config", "x.json"], "expected a .toml or .yaml file"),
         (["--config", "missing.toml"], "--config missing.toml: cannot read it"),
         (["@recipes/arith_cpu.args"], "--config recipes/arith_cpu.toml"),
-        (["--mode", "stream", "--checkpoint-every", "2"], "checkpoint.every is not supported with"),
         (
             ["--mode", "stream", "--prompts-per-step", "4", "--stream-buffer", "2"],
             "must hold at least one step",
@@ -158,6 +157,14 @@ def test_bad_settings_are_one_line_naming_the_setting(argv, message):
     with pytest.raises(ConfigError) as error:
         parse(*argv)
     assert message in str(error.value) and "\n" not in str(error.value), str(error.value)
+
+
+def test_stream_mode_takes_checkpoints_resumes_restarts_and_evaluates_like_the_others():
+    config = parse(
+        "--mode", "stream", "--checkpoint-every", "2", "--resume", "--max-restarts", "1", "--eval-every", "2"
+    )
+    assert (config.checkpoint.every, config.checkpoint.resume) == (2, True)
+    assert (config.launch.max_restarts, config.eval.every) == (1, 2)
 
 
 def test_replace_in_validates_and_sections_are_immutable():

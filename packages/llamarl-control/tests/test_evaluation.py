@@ -44,3 +44,51 @@ def test_eval_result_accuracies():
     assert not greedy_only.has_samples
     with pytest.raises(ValueError, match="eval_samples"):
         _ = greedy_only.sampled_accuracy
+
+
+class _Counters:
+    """A thread-safe stand-in for torch.distributed.Store's counters."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.values: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def add(self, key: str, amount: int) -> int:
+        with self._lock:
+            self.values[key] = self.values.get(key, 0) + amount
+            return self.values[key]
+
+
+def test_waiting_ranks_wait_as_long_as_the_evaluation_makes_progress_and_no_longer():
+    import threading
+    import time
+
+    from llamarl.control.evaluation import EvalProgress
+
+    store = _Counters()
+
+    def generator(steps: int, step_s: float) -> None:
+        progress = EvalProgress(store, 1, beat_s=0.05)
+        for _ in range(steps):
+            time.sleep(step_s)
+            progress.beat()
+        progress.done()
+
+    # An evaluation of 1.5 s (two generators) with a 0.5 s deadline: it beats, so nobody times out.
+    threads = [threading.Thread(target=generator, args=(30, 0.05)) for _ in range(2)]
+    start = time.monotonic()
+    for t in threads:
+        t.start()
+    EvalProgress(store, 1).wait(2, timeout_s=0.5, poll_s=0.02)
+    assert time.monotonic() - start > 1.2
+    for t in threads:
+        t.join()
+    # A generator that stopped making progress: the wait ends 0.5 s after its last beat.
+    stuck = EvalProgress(store, 2, beat_s=0.0)
+    stuck.beat()
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="no progress for 0 s"):
+        EvalProgress(store, 2).wait(1, timeout_s=0.5, poll_s=0.02)
+    assert 0.4 < time.monotonic() - start < 3

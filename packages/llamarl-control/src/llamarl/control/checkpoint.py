@@ -28,12 +28,14 @@ side of the run says what its part is (`checkpoint_state`).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import random
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -138,33 +140,57 @@ class CheckpointWriter:
             before_commit: called on every rank after its files are written and before the commit
                 (fault injection: a kill there must leave an ignored, incomplete folder).
 
-        Returns the final folder.
+        Returns the final folder. Raises CheckpointError when this rank cannot write its part (a full
+        disk, a folder gone or read-only): the message names the cause and the checkpoint that a resume
+        would continue from; the partial folder is removed (it would never be chosen anyway).
         """
         final = self.root / step_dir_name(step)
         tmp = final.with_name(final.name + _TMP_SUFFIX)
-        if self.rank == 0:
-            # A leftover of a write that crashed, or a folder of an older run that reaches this step.
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        dist.barrier()  # nobody writes before the folder is fresh
-        if trainer is not None:
-            model, optimizer = trainer
-            model_sd, optim_sd = get_state_dict(model, optimizer)
-            dcp.save(
-                {"model": model_sd, "optim": optim_sd},
-                checkpoint_id=str(tmp / TRAINER_DIR),
-                process_group=trainer_group,
-            )
-        _atomic_torch_save({**rank_state, "rng": capture_rng()}, tmp / f"rank{self.rank}.pt")
-        if controller_state is not None:
-            _write_synced(tmp / CONTROLLER_STATE, json.dumps(controller_state).encode())
+        with self._writing(final, tmp):
+            if self.rank == 0:
+                # A leftover of a write that crashed, or a folder of an older run that reaches this step.
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+            dist.barrier()  # nobody writes before the folder is fresh
+            if trainer is not None:
+                model, optimizer = trainer
+                model_sd, optim_sd = get_state_dict(model, optimizer)
+                dcp.save(
+                    {"model": model_sd, "optim": optim_sd},
+                    checkpoint_id=str(tmp / TRAINER_DIR),
+                    process_group=trainer_group,
+                )
+            _atomic_torch_save({**rank_state, "rng": capture_rng()}, tmp / f"rank{self.rank}.pt")
+            if controller_state is not None:
+                _write_synced(tmp / CONTROLLER_STATE, json.dumps(controller_state).encode())
         if before_commit is not None:
             before_commit()
-        dist.barrier()  # every rank's part is on disk
-        if self.rank == 0:
-            self._commit(tmp, final)
-            self._prune()
+        with self._writing(final, tmp):
+            dist.barrier()  # every rank's part is on disk
+            if self.rank == 0:
+                self._commit(tmp, final)
+                self._prune()
         return final
+
+    @contextmanager
+    def _writing(self, final: Path, tmp: Path) -> Iterator[None]:
+        """A write that fails on the file system (a full disk, a folder gone or read-only) becomes a
+        CheckpointError naming the cause and the checkpoint a resume would continue from; rank 0
+        removes the partial folder (room on a full disk; it would never be chosen anyway)."""
+        try:
+            yield
+        except (Exception, dcp.api.CheckpointException) as e:  # DCP's is a BaseException
+            cause = _os_error_in(e) or _full_disk(self.root)
+            if cause is None:
+                raise
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            latest = find_latest(self.root)
+            resume = f"{latest.path} is the last complete one" if latest else "there is no complete one yet"
+            raise CheckpointError(
+                f"checkpoint {final} could not be written ({cause.strerror or cause}); {resume}, and "
+                "--resume continues from it"
+            ) from e
 
     def _commit(self, tmp: Path, final: Path) -> None:
         expected = [f"rank{r}.pt" for r in range(self.world_size)] + [CONTROLLER_STATE]
@@ -280,6 +306,39 @@ def truncate(path: Path, length: int) -> None:
 
 # --------------------------------------------------------------------------------------------------
 # helpers
+
+
+def _os_error_in(error: BaseException) -> OSError | None:
+    """The first OSError behind `error`: itself, what caused it, or (DCP wraps each rank's failure in
+    its own exception) one of the failures it carries; torch.save reports a full disk as a RuntimeError
+    raised while handling the OSError."""
+    seen: set[int] = set()
+    stack: list[BaseException] = [error]
+    while stack:
+        e = stack.pop(0)
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError):
+            return e
+        failures = getattr(e, "failures", None)  # CheckpointException: {rank: (exception, stack)}
+        if isinstance(failures, dict):
+            for failure in failures.values():
+                inner = failure[0] if isinstance(failure, tuple) and failure else failure
+                if isinstance(inner, BaseException):
+                    stack.append(inner)
+        stack += [c for c in (e.__cause__, e.__context__) if c is not None]
+    return None
+
+
+def _full_disk(path: Path, *, below_bytes: int = 1 << 20) -> OSError | None:
+    """ENOSPC when the file system holding `path` has (almost) no room left: torch.save and DCP report
+    a short write as a RuntimeError ("unexpected pos") that does not always keep the OSError behind it."""
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError:
+        return None
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)) if free < below_bytes else None
 
 
 def _step_of(path: Path) -> int | None:

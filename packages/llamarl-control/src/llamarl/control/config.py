@@ -248,24 +248,11 @@ class RunConfig(ConfigSection):
                     f"generator.gpu_memory_utilization ({self.generator.gpu_memory_utilization}) must be at "
                     "most 1 on a shared GPU"
                 )
-        if schedule.mode == "stream":
-            # Stream ranks never meet at a tick boundary, where checkpoints and in-loop evaluations are
-            # taken; both are lock-step features for now.
-            for name, value in (
-                ("checkpoint.every", self.checkpoint.every),
-                ("eval.every", self.eval.every),
-                ("launch.max_restarts", launch.max_restarts),
-                ("checkpoint.resume", self.checkpoint.resume),
-            ):
-                if value:
-                    raise ValueError(
-                        f"{name} is not supported with schedule.mode 'stream' yet; use async or sync"
-                    )
-            if 0 < schedule.buffer_groups < schedule.prompts_per_step:
-                raise ValueError(
-                    f"schedule.buffer_groups ({schedule.buffer_groups}) must hold at least one step's "
-                    f"prompts (schedule.prompts_per_step={schedule.prompts_per_step})"
-                )
+        if schedule.mode == "stream" and 0 < schedule.buffer_groups < schedule.prompts_per_step:
+            raise ValueError(
+                f"schedule.buffer_groups ({schedule.buffer_groups}) must hold at least one step's "
+                f"prompts (schedule.prompts_per_step={schedule.prompts_per_step})"
+            )
         return self
 
     # Derived settings: computed from the tree, never declared twice.

@@ -1,4 +1,5 @@
-"""Held-out evaluation results and the statistics that say whether a run got better.
+"""Held-out evaluation results, the statistics that say whether a run got better, and how the ranks
+wait for an evaluation of any length.
 
 Shape legend: Q  held-out questions.
 """
@@ -6,8 +7,9 @@ Shape legend: Q  held-out questions.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol
 
 Z_95 = 1.959964  # two-sided 95% quantile of the standard normal
 
@@ -58,3 +60,50 @@ def paired_delta_ci(before_Q: list[float], after_Q: list[float], z: float = Z_95
     sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1))
     half = z * sd / math.sqrt(n)
     return [mean, mean - half, mean + half]
+
+
+# --------------------------------------------------------------------------------------------------
+# waiting for the generators
+
+
+class CounterStore(Protocol):
+    """The part of torch.distributed.Store the evaluation's progress needs."""
+
+    def add(self, key: str, amount: int) -> int: ...
+
+
+class EvalProgress:
+    """How the ranks wait for evaluation `number` without a deadline on its length: the generators
+    scoring their shares `beat()` as they go (between decoding steps, at most every `beat_s`) and say
+    when they are `done()`; every rank `wait`s until all are, failing only after `timeout_s` without any
+    progress. A collective would wait `launch.timeout_s` at most, whatever the evaluation's length."""
+
+    def __init__(self, store: CounterStore, number: int, *, beat_s: float = 1.0) -> None:
+        self.store = store
+        self._done = f"eval/{number}/done"
+        self._progress = f"eval/{number}/progress"
+        self.beat_s = beat_s
+        self._last_beat = float("-inf")
+
+    def beat(self) -> None:
+        now = time.monotonic()
+        if now - self._last_beat >= self.beat_s:
+            self._last_beat = now
+            self.store.add(self._progress, 1)
+
+    def done(self) -> None:
+        self.store.add(self._done, 1)
+
+    def wait(self, num_generators: int, *, timeout_s: float, poll_s: float = 0.2) -> None:
+        """Until `num_generators` are done; raises TimeoutError after `timeout_s` without progress."""
+        seen, since = -1, time.monotonic()
+        while self.store.add(self._done, 0) < num_generators:
+            progress = self.store.add(self._progress, 0)
+            if progress != seen:
+                seen, since = progress, time.monotonic()
+            elif time.monotonic() - since > timeout_s:
+                raise TimeoutError(
+                    f"the evaluation made no progress for {timeout_s:.0f} s (launch.timeout_s): a "
+                    "generator is stuck or gone"
+                )
+            time.sleep(poll_s)

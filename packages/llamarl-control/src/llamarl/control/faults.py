@@ -7,10 +7,15 @@
 - "RANK:TICK:node" kills its whole machine there: SIGKILL to its process group, which is the launcher
   and every rank it started when the launcher leads a group of its own (as a shell job or a test's
   `start_new_session` child does);
+- "RANK:TICK:oom" makes it allocate memory until the kernel's out-of-memory killer kills it (for tests
+  that run the app under a memory limit; without one it gives up at 8 GiB and raises);
 - a last ":checkpoint" strikes inside that tick's checkpoint write, after the rank wrote its part and
   before the commit;
 - "RANK:N:engine" kills (SIGKILL) that generator rank's vLLM engine half a second into its stream
   request N; the rank itself lives on.
+
+In stream mode a tick is a step on the trainer ranks (the step that makes version TICK + 1; its
+checkpoint is written at the end of it) and a request number on a generator rank.
 
 Faults strike in the first attempt only, never after torch elastic restarted the ranks: the restarted run
 must get past the point where the first attempt failed.
@@ -41,20 +46,23 @@ class Fault:
     kill: bool  # SIGKILL instead of an exception
     phase: Phase
     node: bool = False  # SIGKILL to the rank's whole process group (its machine's launcher and ranks)
+    oom: bool = False  # allocate until the out-of-memory killer strikes
 
     @classmethod
     def parse(cls, spec: str) -> Fault:
-        """A fault from "RANK:TICK[:kill|:node][:checkpoint]" or "RANK:REQUEST:engine"."""
+        """A fault from "RANK:TICK[:kill|:node|:oom][:checkpoint]" or "RANK:REQUEST:engine"."""
         parts = spec.split(":")
         try:
             rank, tick = int(parts[0]), int(parts[1])
         except (IndexError, ValueError):
             raise ValueError(
-                f"{FAULT_ENV}={spec!r}: expected RANK:TICK[:kill|:node][:checkpoint] or RANK:N:engine"
+                f"{FAULT_ENV}={spec!r}: expected RANK:TICK[:kill|:node|:oom][:checkpoint] or RANK:N:engine"
             ) from None
         flags = set(parts[2:])
         phase: Phase = "checkpoint" if "checkpoint" in flags else "request" if "engine" in flags else "tick"
-        return cls(rank, tick, "kill" in flags or "node" in flags, phase, node="node" in flags)
+        return cls(
+            rank, tick, "kill" in flags or "node" in flags, phase, node="node" in flags, oom="oom" in flags
+        )
 
 
 class FaultInjector:
@@ -91,4 +99,16 @@ class FaultInjector:
             os.killpg(os.getpgid(0), signal.SIGKILL)
         if fault.kill:
             os.kill(os.getpid(), signal.SIGKILL)
+        if fault.oom:
+            _allocate_until_killed()
         raise RuntimeError(f"injected failure on rank {self.rank} at tick {tick}, {phase} ({FAULT_ENV})")
+
+
+def _allocate_until_killed(limit_gib: int = 8) -> None:
+    """Touches 64 MiB after 64 MiB of memory until the kernel kills this process; raises past the limit."""
+    held = []
+    for _ in range(limit_gib * 16):
+        held.append(b"\x01" * (64 << 20))  # written, so resident: bytes(n) alone may stay unbacked
+    raise MemoryError(
+        f"{FAULT_ENV}: allocated {limit_gib} GiB and no out-of-memory kill came (no memory limit?)"
+    )

@@ -3,7 +3,10 @@
 `GeneratorLoop` holds no process group: it takes its executors (a `Generator`, a `Rewarder`), its
 prompts and its outbox as objects, so tests drive it with fakes in one process. In lock step the
 generator side calls `make_batch` once per tick; in stream mode `stream` samples back to back, taking
-new weights between requests and, where the generator supports it, between decoding steps.
+new weights between requests and, where the generator supports it, between decoding steps. It starts a
+request only when admission control says its groups will still be fresh enough to train on when the
+trainer takes them (`StreamControl.admit`), and it pauses, keeping the request in flight
+(`InFlightRequest`), when the trainer asks for a checkpoint or an evaluation.
 
 Generator metrics travel with every batch as cumulative totals (`GENERATOR_TOTALS`); the trainer takes
 differences between steps, so nothing is lost when a request yields no batch (all of its groups
@@ -18,18 +21,21 @@ import json
 import sys
 import time
 from collections.abc import Callable
-from typing import TextIO
+from typing import Any, TextIO
+
+import torch
 
 from llamarl.comm import WeightSyncError
 from llamarl.control.channels.rollouts import GENERATOR_TOTALS, concat_rollouts
-from llamarl.control.channels.stream import RolloutOutbox, StreamControl
+from llamarl.control.channels.stream import Pause, RolloutOutbox, StreamControl
 from llamarl.control.config import ScheduleConfig
+from llamarl.control.in_flight import InFlightRequest
 from llamarl.control.prompts import PromptSource, PromptStream
 from llamarl.control.sampler import EpisodeSetup, TaskSampler
 from llamarl.control.timeline import Timeline
 from llamarl.exec import EngineError, EngineLost
 from llamarl.exec.config import SamplingConfig
-from llamarl.exec.types import Generator, Rewarder, RolloutBatch
+from llamarl.exec.types import GenerationPaused, Generator, PauseGeneration, Rewarder, RolloutBatch
 
 
 class StreamStopped(Exception):
@@ -84,6 +90,13 @@ class GeneratorLoop:
         self.totals = dict.fromkeys(GENERATOR_TOTALS, 0.0)
         self._born = time.perf_counter()
         self.tick = -1  # the tick (lock step) or request number (stream) being worked on
+        # Stream mode's work in hand, which a checkpoint saves (`stream_state`): the prompts (data-order
+        # positions) of the request being sampled, its completions so far if it was paused, and a batch
+        # made but not yet handed to the outbox.
+        self.request: list[int] | None = None
+        self.in_flight: InFlightRequest | None = None
+        self.undelivered: tuple[RolloutBatch, dict[str, float]] | None = None
+        self.requests = 0  # stream requests started
 
     @property
     def policy_version(self) -> int:
@@ -110,7 +123,7 @@ class GeneratorLoop:
         filtered: list[RolloutBatch] = []
         last: dict[str, float] = {}
         for _ in range(self.schedule.max_sampling_rounds if self.schedule.dynamic_sampling else 1):
-            batch, dropped, last = self._sample(self.prompts.take(share - len(kept)))
+            batch, dropped, last = self._sample(self.prompts.take_positions(share - len(kept)))
             kept += _groups(batch) if batch is not None else []
             filtered += dropped
             if len(kept) >= share:
@@ -134,25 +147,40 @@ class GeneratorLoop:
         return {**self.totals, "policy_version": float(self.policy_version)}
 
     def _sample(
-        self, indices: list[int], between_steps: Callable[[], None] | None = None
+        self, positions: list[int], between_steps: Callable[[], None] | None = None
     ) -> tuple[RolloutBatch | None, list[RolloutBatch], dict[str, float]]:
-        """Generates and scores G completions of each prompt in `indices`.
+        """Generates and scores G completions of each prompt at `positions` of the data order,
+        continuing `in_flight` (a paused request of these prompts) if there is one.
 
         Returns (the groups kept as one batch or None, the groups dynamic sampling dropped, metrics).
+        Raises GenerationPaused (keeping what was drawn in `in_flight`) when `between_steps` paused it.
         """
         G = self.sampling.samples_per_prompt
+        indices = [self.prompts.index(p) for p in positions]
         start = time.perf_counter()
         failures_before = self.rewarder.num_failures if self.rewarder is not None else 0
-        sampled = self.sampler.sample(indices, samples_per_prompt=G, between_steps=between_steps)
+        try:
+            sampled = self.sampler.sample(
+                indices, samples_per_prompt=G, between_steps=between_steps, resume=self.in_flight
+            )
+        except GenerationPaused as paused:
+            if self.in_flight is None:
+                self.in_flight = InFlightRequest.from_paused(paused)
+            paused_s = time.perf_counter() - start
+            self.totals["generate_s_total"] += paused_s
+            self.totals["busy_s_total"] += paused_s
+            raise
+        self.in_flight = None
         batch, texts, score_s = sampled.batch, sampled.texts, sampled.score_s
         generate_s = time.perf_counter() - start - score_s
         if self.rewarder is not None:
             self.totals["reward_failures_total"] += self.rewarder.num_failures - failures_before
         self.totals["episodes_dropped_total"] += sampled.episodes_dropped
-        self._log_samples(batch, indices, texts)
+        batch.prompt_position_B = torch.tensor(positions, dtype=torch.int64).repeat_interleave(G)
+        self._log_samples(batch, positions, texts)
         self.totals["generate_s_total"] += generate_s
         self.totals["busy_s_total"] += generate_s + score_s
-        self.totals["groups_total"] += len(indices)
+        self.totals["groups_total"] += len(positions)
         metrics = {
             "generate_s": generate_s,
             "score_s": score_s,
@@ -168,15 +196,16 @@ class GeneratorLoop:
         self.totals["filtered_total"] += len(drop)
         return (concat_rollouts(keep) if keep else None), drop, metrics
 
-    def _log_samples(self, batch: RolloutBatch, indices: list[int], texts: list[str]) -> None:
+    def _log_samples(self, batch: RolloutBatch, positions: list[int], texts: list[str]) -> None:
         if self.sample_log is None:
             return
         G = self.sampling.samples_per_prompt
         for j, text in enumerate(texts):
             record = {
                 "tick": self.tick,
+                "position": positions[j // G],  # in the data order (trained_groups.jsonl names it too)
                 "policy_version": int(batch.policy_version_B[j]),
-                "question": self.source.question(indices[j // G]),
+                "question": self.source.question(self.prompts.index(positions[j // G])),
                 "completion": text,
                 "reward": float(batch.rewards_B[j]),
             }
@@ -185,91 +214,189 @@ class GeneratorLoop:
 
     # stream mode --------------------------------------------------------------------------------
 
-    def stream(self, control: StreamControl, outbox: RolloutOutbox, *, in_flight: bool) -> int:
-        """Samples requests back to back until the trainer stops the run; returns requests made.
+    def stream(
+        self,
+        control: StreamControl,
+        outbox: RolloutOutbox,
+        *,
+        in_flight: bool,
+        on_pause: Callable[[Pause], None] = lambda pause: None,
+    ) -> int:
+        """Samples requests back to back until the trainer stops the run; returns requests started.
 
         New weights are taken between requests and, with `in_flight`, between decoding steps too (the
         generator must accept `between_steps`); tokens are stamped with the version that sampled them.
+        A request starts only once admission control lets its groups in (`StreamControl.admit`). When
+        the trainer asks for a pause, the request in flight stops between two decoding steps and
+        `on_pause` runs (after the outbox delivered everything queued, for a checkpoint); the request
+        then continues where it stopped.
         """
-        requests = 0
         self._syncs_taken = 0
         self._rejoining = False
+        self._pauses_served = 0
 
         def take_new_weights() -> None:
-            announced = control.announced()
-            if announced <= self._syncs_taken:
-                return
-            # One sync at a time: the trainer announces the next only after every generator took this.
-            self._syncs_taken = announced
-            try:
-                self.receive_weights()
-                if self._rejoining:
-                    # A rejoined engine's first receive skips syncs formed before it existed and gets
-                    # the next one: whatever was announced up to now is taken.
-                    self._rejoining = False
-                    self._syncs_taken = max(self._syncs_taken, control.announced())
-            except EngineLost:
-                raise  # this generator's own engine died: replaced by the request loop
-            except (WeightSyncError, EngineError) as e:  # another engine died during it: ask again
-                if not self.replace_engines:
-                    raise
-                print(f"generator: weight sync failed ({e}); asking for the weights again", file=sys.stderr)
-                self.generator.policy_version = None
-                control.want_weights()
+            # Every announced sync, one receive each, in order. A generator may be more than one behind:
+            # with several generators the weights go down a chain and the trainer's send returns once
+            # the first one has them, so the trainer can train and announce again before a slow one
+            # took the last; skipping one would leave the generator relaying to this one waiting on it.
+            while self._syncs_taken < control.announced():
+                self._syncs_taken += 1
+                try:
+                    self.receive_weights()
+                    if self._rejoining:
+                        # A rejoined engine's first receive skips syncs formed before it existed and
+                        # gets the next one: whatever was announced up to now is taken.
+                        self._rejoining = False
+                        self._syncs_taken = max(self._syncs_taken, control.announced())
+                except EngineLost:
+                    raise  # this generator's own engine died: replaced by the request loop
+                except (WeightSyncError, EngineError) as e:  # another engine died during it: ask again
+                    if not self.replace_engines:
+                        raise
+                    print(
+                        f"generator: weight sync failed ({e}); asking for the weights again", file=sys.stderr
+                    )
+                    self.generator.policy_version = None
+                    control.want_weights()
+                    return
+
+        def serve_pauses() -> None:
+            while self._pauses_served < control.pauses_requested():
+                pause = control.pause(self._pauses_served + 1)
+                with self.timeline.phase(pause.kind, self.tick):
+                    if pause.kind == "checkpoint":
+                        outbox.mark(self.metrics())  # the trainer's buffer holds all we sent
+                    on_pause(pause)
+                self._pauses_served = pause.number
+
+        def between_requests() -> None:
+            take_new_weights()
+            serve_pauses()
 
         def between_steps() -> None:
             if control.stopped():
                 raise StreamStopped
             take_new_weights()
+            # Multi-turn episodes are not paused mid-request: the pause waits for the request's end.
+            if control.pauses_requested() > self._pauses_served and self.sampler.episodes is None:
+                raise PauseGeneration
 
-        # A request's prompts whose engine died before they were sampled, or a batch whose engine died
-        # while it waited to be queued (taking weights): handled again after the engine is replaced.
-        retry: list[int] = []
-        undelivered: tuple[RolloutBatch, dict[str, float]] | None = None
         starved = 0  # requests in a row whose groups dynamic sampling all dropped
         while True:
-            indices: list[int] = []
             try:
-                if control.stopped():  # set only once every generator took the final sync
+                if control.stopped():  # the trainer announced its last sync before stopping
                     break
-                take_new_weights()
+                between_requests()
                 if self.policy_version < 0:  # no usable weights until the trainer sends them again
                     time.sleep(0.05)
                     continue
-                if undelivered is None:
-                    self.tick = requests
-                    indices, retry = retry or self.prompts.take(self.prompts.share), []
-                    if self.before_request is not None:
-                        self.before_request(requests)
-                    batch, dropped, metrics = self._sample(indices, between_steps if in_flight else None)
-                    requests += 1
+                if self.undelivered is None:
+                    if self.request is None:
+                        if not self._admitted(control, between_requests):
+                            continue
+                        self.request = self.prompts.take_positions(self.prompts.share)
+                        self.tick = self.requests
+                        self.requests += 1
+                        if self.before_request is not None:
+                            self.before_request(self.tick)
+                    try:
+                        batch, dropped, metrics = self._sample(
+                            self.request, between_steps if in_flight else None
+                        )
+                    except GenerationPaused:
+                        continue  # the pause is served at the top of the loop; then the request goes on
+                    self.request = None
                     if batch is None:  # every group filtered by dynamic sampling
                         starved += 1
                         if starved < self.schedule.max_sampling_rounds:
+                            control.release(len(dropped))  # never sent: room for other groups
                             continue
                         # As in lock step: after max_sampling_rounds requests without a single group
                         # with a signal, send flat groups rather than starve the trainer.
                         batch = concat_rollouts(dropped)
                         self.totals["filtered_total"] -= len(dropped)  # sent after all
+                    else:
+                        control.release(len(dropped))
                     starved = 0
-                    undelivered = (batch, {**metrics, **self.metrics()})
+                    self.undelivered = (batch, {**metrics, **self.metrics()})
                 # Time blocked here on a full trainer buffer counts as idle.
-                outbox.put(*undelivered, while_waiting=take_new_weights)
-                undelivered = None
+                outbox.put(*self.undelivered, while_waiting=between_requests)
+                self.undelivered = None
             except StreamStopped:
                 break
             except EngineLost as e:
+                # The request (and its completions so far, if it was paused) goes on with a new engine.
                 self._replace_engine(e, control)
-                if undelivered is None:
-                    retry = indices or retry  # nothing of it reached the trainer: sample it again
             except EngineError:
                 # A sync that failed in flight aborts the request (take_new_weights already asked for
                 # the weights again); anything else is an engine fault that ends the run.
-                if not (self.replace_engines and self.policy_version < 0 and undelivered is None):
+                if not (self.replace_engines and self.policy_version < 0 and self.undelivered is None):
                     raise
-                retry = indices or retry
+        # The stop comes right after the trainer's last sync, but that sync may not have reached this
+        # generator yet: with several generators the weights travel down a chain, and the trainer's send
+        # returns once the first generator has them. Leaving without it would put this generator one sync
+        # behind the others, and the plain sync after the stream would pair its last stream sync with the
+        # others' plain one: the generator relaying to it would wait for it forever (the stall of two
+        # stream generators under load, found from the stack dumps: one generator in the final sync
+        # waiting for the other to post its receives, the other and the trainer already evaluating).
+        take_new_weights()
         outbox.close(self.metrics())
-        return requests
+        return self.requests
+
+    def _admitted(self, control: StreamControl, while_waiting: Callable[[], None]) -> bool:
+        """Waits until admission control lets this generator's next request in (True), serving weights
+        and pauses meanwhile; False when the run stopped. Raises TimeoutError when the trainer took no
+        batch for `weights_timeout_s` while this generator waited."""
+        progress, since = control.progress(), time.monotonic()
+        while not control.admit(
+            self.prompts.share,
+            version=self.policy_version,
+            prompts_per_step=self.schedule.prompts_per_step,
+            max_policy_lag=self.schedule.max_policy_lag,
+        ):
+            if control.stopped():
+                return False
+            while_waiting()
+            if self.policy_version < 0:
+                return False  # weights lost meanwhile: the loop waits for them first
+            now = time.monotonic()
+            if control.progress() != progress:
+                progress, since = control.progress(), now
+            elif now - since > self.weights_timeout_s:
+                raise TimeoutError(
+                    f"the trainer took no batch for {self.weights_timeout_s:.0f} s while this generator "
+                    "waited to start sampling"
+                )
+            time.sleep(0.02)
+        return True
+
+    def stream_state(self) -> dict[str, Any]:
+        """Stream mode's work in hand, for a checkpoint taken while paused: the request being sampled
+        (positions) with its completions so far, and a batch made but not yet handed over."""
+        undelivered = None
+        if self.undelivered is not None:
+            batch, metrics = self.undelivered
+            undelivered = (batch.tensors(), batch.group_size, metrics)
+        return {
+            "request": self.request,
+            "in_flight": None if self.in_flight is None else self.in_flight.state(),
+            "undelivered": undelivered,
+            "requests": self.requests,
+        }
+
+    def restore_stream_state(self, state: dict[str, Any] | None) -> None:
+        if not state:
+            return
+        self.request = state["request"]
+        self.in_flight = (
+            None if state["in_flight"] is None else InFlightRequest.from_state(state["in_flight"])
+        )
+        if state["undelivered"] is not None:
+            tensors, group_size, metrics = state["undelivered"]
+            self.undelivered = (RolloutBatch(group_size=group_size, **tensors), metrics)
+        self.requests = state["requests"]
+        self.tick = self.requests - 1  # the request in hand, if any, keeps its number
 
     def _replace_engine(self, error: EngineLost, control: StreamControl) -> None:
         """Restarts a dead engine (the trainer keeps its state); the new one gets the current weights."""
@@ -292,11 +419,6 @@ class GeneratorLoop:
         control.want_weights()
         seconds = time.perf_counter() - start
         print(f"generator: engine restarted in {seconds:.1f} s", file=sys.stderr, flush=True)
-
-
-def _groups(batch: RolloutBatch) -> list[RolloutBatch]:
-    G = batch.group_size
-    return [batch.select(slice(g * G, (g + 1) * G)) for g in range(batch.num_sequences // G)]
 
 
 def _groups(batch: RolloutBatch) -> list[RolloutBatch]:

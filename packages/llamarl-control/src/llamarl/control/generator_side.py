@@ -124,16 +124,20 @@ class GeneratorSide(Side):
             weights_timeout_s=cfg.launch.timeout_s,
             timeline=self.timeline,
             sample_log=self.samples,
-            before_request=lambda n: self.faults.strike(
-                n, "request", engine_pid=lambda: self.generator.engine_pid
-            ),
+            before_request=self._strike_at_request,
             replace_engines=cfg.replaces_engines,
             episodes=self.episodes,
         )
 
+    def _strike_at_request(self, request: int) -> None:
+        """Stream mode's fault points: this rank at the start of its request N, or its engine during it."""
+        self.faults.strike(request)
+        self.faults.strike(request, "request", engine_pid=lambda: self.generator.engine_pid)
+
     def restore(self, resume: ckpt.Resume) -> None:
         mine = resume.rank_state
         self.loop.prompts.position = mine["prompt_position"]
+        self.loop.restore_stream_state(mine.get("stream"))
         if mine["pending"] is not None:
             tensors, group_size, metrics = mine["pending"]
             self._pending = (RolloutBatch(group_size=group_size, **tensors), metrics)
@@ -151,6 +155,7 @@ class GeneratorSide(Side):
             "prompt_position": self.loop.prompts.position,
             "generator_totals": self.loop.metrics(),
             "pending": pending,  # async mode: the batch made but not yet sent
+            "stream": self.loop.stream_state(),  # stream mode: the request in flight, a batch not sent
             "samples_bytes": self.samples.tell(),
         }
 
@@ -185,14 +190,20 @@ class GeneratorSide(Side):
 
     def run_stream(self) -> None:
         """Samples back to back and sends groups to the first trainer rank's buffer until it stops the run."""
-        control = StreamControl(dist.distributed_c10d._get_default_store())
+        control = StreamControl(self.store)
         outbox = RolloutOutbox(
             lambda batch, metrics: send_rollouts(
                 batch, metrics, dst=FIRST_TRAINER_RANK, group=self.rollout_group
             ),
             timeout_s=self.config.launch.timeout_s,
         )
-        self.loop.stream(control, outbox, in_flight=self.generator.supports_in_flight_updates)
+        dist.barrier()  # the first trainer rank set the shared counters
+        self.loop.stream(
+            control,
+            outbox,
+            in_flight=self.generator.supports_in_flight_updates,
+            on_pause=lambda pause: self.in_stream_pause(pause.kind, pause.policy_version),
+        )
 
     # ----------------------------------------------------------------------------------------------
     # evaluation
@@ -224,7 +235,12 @@ class GeneratorSide(Side):
 
     def _score_questions(self, indices: list[int], *, samples: int, greedy: bool) -> list[float]:
         """The mean reward of `samples` completions (or episodes) of each held-out question."""
-        batch = self.eval_sampler.sample(indices, samples_per_prompt=samples, greedy=greedy).batch
+        batch = self.eval_sampler.sample(
+            indices,
+            samples_per_prompt=samples,
+            greedy=greedy,
+            between_steps=self.eval_heartbeat,  # the waiting ranks see progress
+        ).batch
         scores = batch.rewards_B.tolist()
         return [sum(scores[q * samples : (q + 1) * samples]) / samples for q in range(len(indices))]
 

@@ -3,8 +3,9 @@
 Every rank runs `llamarl.control.spmd.run_rank`. When any rank raises or dies, torch elastic
 stops the others. With `max_restarts` R > 0 it then starts all ranks again, up to R times, and every
 restarted rank resumes from the latest complete checkpoint by itself. When no restart is left the
-launcher shows the first rank's original error (its traceback, written by
-the rank itself to OUTPUT_DIR/errors/) once, and raises `RunFailed`.
+launcher shows the first rank's original error (written by the rank itself to OUTPUT_DIR/errors/) once,
+and raises `RunFailed`; Ctrl-C or SIGTERM stops every rank and raises `RunInterrupted`, which says
+where the last checkpoint is (`llamarl.control.failures`).
 
 Several machines: the same command on each (`--nnodes N --rdzv-endpoint HOST:PORT`) joins one
 rendezvous, whose id every machine derives alike (`launch.rdzv_id`); torch elastic gives the machines
@@ -20,6 +21,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 import time
@@ -33,7 +35,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.api import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -43,6 +45,21 @@ from llamarl.control.channels.weights import FIRST_TRAINER_RANK
 from llamarl.control.cli import RESOLVED_CONFIG, write_config
 from llamarl.control.config import ConfigError, RunConfig, replace_in
 from llamarl.control.devices import check_placement, pin_rank, this_rank_placement
+from llamarl.control.failures import (
+    Interrupted,
+    MemoryWatch,
+    RunFailed,
+    RunInterrupted,
+    describe_killed,
+    describe_record,
+    error_record,
+    last_checkpoint_note,
+    prepare_output_dir,
+    raise_on_interrupt,
+    read_error_records,
+    reserve_error_record,
+    write_error_record,
+)
 from llamarl.control.faults import ERRORS_DIR
 from llamarl.control.memory import memory_summary, own_peak
 from llamarl.control.nodes import NodeWatch, describe_lost, nodes_as_records
@@ -50,15 +67,13 @@ from llamarl.control.report import write_report
 from llamarl.control.task_registry import load_task, register_task
 from llamarl.control.tasks import Task
 
-EXIT_GRACE_S = 2.0  # how long a failed rank waits before exiting, see _rank_main
+__all__ = ["Launched", "RunFailed", "RunInterrupted", "launch", "run_this_rank"]
 
-
-class RunFailed(RuntimeError):
-    """A rank failed; `str()` is the original error, `rank` the rank that raised it first."""
-
-    def __init__(self, message: str, *, rank: int | None) -> None:
-        super().__init__(message)
-        self.rank = rank
+EXIT_GRACE_S = 2.0  # how long a failed rank waits before exiting, see _run_rank
+SHUTDOWN_TIMEOUT_S = 30  # after Ctrl-C or SIGTERM, how long ranks get to close before they are killed
+# Ranks are the big consumers of memory: the kernel's out-of-memory killer takes them before the
+# launcher, which then lives to say what happened.
+RANK_OOM_SCORE_ADJ = 300
 
 
 @dataclass(frozen=True)
@@ -86,13 +101,14 @@ def launch(
         ConfigError: the ranks do not fit this machine's GPUs (one line, before any rank starts).
         RunFailed: a rank failed, a machine was lost, or the machines never met (one line, or the
             first failed rank's traceback).
+        RunInterrupted: Ctrl-C or SIGTERM stopped every rank (says where the last checkpoint is).
     """
     task = task if task is not None else load_task(config.task.name, config.task.module)
     launch = config.launch
     ranks_per_node = config.world_size // launch.nnodes
     check_placement(config, ranks_per_node=ranks_per_node, cuda_devices=torch.cuda.device_count())
     output_dir = config.output_dir
-    output_dir.mkdir(parents=True, exist_ok=True)
+    prepare_output_dir(output_dir)
     _write_resolved_config(config)
     # Shared by every machine where OUTPUT_DIR is: never cleared here (another machine's rank may
     # already have written into it); each rank removes its own stale record when it starts.
@@ -117,19 +133,29 @@ def launch(
         monitor_interval=0.2,
         start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=str(log_dir)),
+        shutdown_timeout=SHUTDOWN_TIMEOUT_S,
     )
+    # A rank that dies without cleaning up (killed, or failed: it exits at once) leaves a semaphore of
+    # its progress bar registered with the launcher's multiprocessing resource tracker, which would warn
+    # about it in two lines of noise after the one that says what happened: the tracker (started with
+    # this process's warning options) is told to keep quiet about it.
+    sys.warnoptions.append("ignore:resource_tracker:UserWarning")
     # torch elastic logs every child failure at ERROR with its traceback; we show it once ourselves.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     logging.getLogger("torch.multiprocessing").setLevel(logging.ERROR)  # "Terminating process ..." notes
     start = time.perf_counter()
     started_at = time.time()
     try:
-        with _fresh_store_per_formation():
+        with _fresh_store_per_formation(), MemoryWatch() as memory:
             results = elastic_launch(launch_config, _rank_main)(
                 config, task, train_rows, eval_rows, str(errors_dir)
             )
+    except SignalException as e:  # Ctrl-C or SIGTERM: torch elastic stopped every rank
+        raise _interrupted(output_dir, int(e.sigval)) from None
+    except KeyboardInterrupt:  # before torch elastic took over the signals
+        raise _interrupted(output_dir, signal.SIGINT) from None
     except ChildFailedError as e:
-        raise _first_failure(errors_dir, e, since=started_at) from None
+        raise _first_failure(errors_dir, e, memory, output_dir, since=started_at) from None
     except RendezvousError as e:
         raise RunFailed(
             _rendezvous_failure(config, endpoint, e, formed=_ranks_started(log_dir)), rank=None
@@ -174,7 +200,7 @@ def run_this_rank(
         )
     check_placement(config, ranks_per_node=local_world_size, cuda_devices=torch.cuda.device_count())
     output_dir = config.output_dir
-    output_dir.mkdir(parents=True, exist_ok=True)
+    prepare_output_dir(output_dir)
     if int(os.environ["RANK"]) == FIRST_TRAINER_RANK:
         _write_resolved_config(config)
     errors_dir = output_dir / ERRORS_DIR
@@ -247,9 +273,12 @@ def _rank_main(
     config: RunConfig, task: Task, train_rows: list[dict], eval_rows: list[dict], errors_dir: str
 ) -> dict[str, Any]:
     """The body of every rank `launch` starts. On error it records its traceback and exits non-zero
-    without printing (the launcher prints the first failure once)."""
+    without printing (the launcher prints the first failure once); SIGINT and SIGTERM stop it (its side
+    closes its engines and workers) the same way, with exit code 128 + the signal."""
     try:
         return _run_rank(config, task, train_rows, eval_rows, errors_dir)
+    except Interrupted as e:
+        os._exit(128 + e.signum)
     except BaseException:
         os._exit(1)
 
@@ -261,9 +290,12 @@ def _run_rank(
     "summary_host": the machine that has it}. A failure is recorded in `errors_dir`, then raised as
     `RunFailed`."""
     rank = int(os.environ.get("RANK", -1))
-    Path(errors_dir, f"rank{rank}.json").unlink(missing_ok=True)  # a previous run's
+    record_path = Path(errors_dir, f"rank{rank}.json")
     nodes = NodeWatch()
     try:
+        raise_on_interrupt()
+        reserve_error_record(record_path)  # also replaces a previous run's record
+        _prefer_for_oom_kill()
         # Before any CUDA work: this rank's GPU becomes the current device (FSDP2 shards land there).
         pin_rank(this_rank_placement(config))
         torch.set_num_threads(config.ranks.threads_per_rank or _default_threads(config))
@@ -281,18 +313,14 @@ def _run_rank(
         dist.destroy_process_group()
         return {"summary": summary, "summary_host": os.environ.get("MASTER_ADDR", socket.gethostname())}
     except BaseException as e:
-        failed_at = time.time()
         # A rank failing because a machine went away names that machine (its heartbeat stood still).
         lost = nodes_as_records(nodes.lost_nodes()) if dist.is_initialized() else []
         nodes.stop()
-        record = {
-            "rank": rank,
-            "time": failed_at,
-            "error": f"{type(e).__name__}: {e}",
-            "traceback": traceback.format_exc(),
-            "lost_nodes": lost,
-        }
-        Path(errors_dir, f"rank{rank}.json").write_text(json.dumps(record))
+        record = {**error_record(rank, e, traceback.format_exc()), "lost_nodes": lost}
+        failed_at = record["time"]
+        write_error_record(record_path, record)
+        if isinstance(e, Interrupted):
+            raise
         # Torch elastic reports only the first exit it sees. A rank failing because a peer was killed
         # (closed connection) must not exit before the launcher has seen that peer's death, or the
         # run would be blamed on the wrong rank; a short grace period orders the two exits.
@@ -310,6 +338,11 @@ def _run_rank(
                 flush=True,
             )
         raise RunFailed(message, rank=rank) from None
+
+
+def _prefer_for_oom_kill() -> None:
+    with contextlib.suppress(OSError):  # not Linux, or not allowed: the kernel picks as it would anyway
+        Path("/proc/self/oom_score_adj").write_text(str(RANK_OOM_SCORE_ADJ))
 
 
 def _restarted() -> bool:
@@ -364,28 +397,37 @@ def _default_threads(config: RunConfig) -> int:
     return max(1, cores // per_node)
 
 
-def _first_failure(errors_dir: Path, error: ChildFailedError, *, since: float) -> RunFailed:
+def _first_failure(
+    errors_dir: Path, error: ChildFailedError, memory: MemoryWatch | None, output_dir: Path, *, since: float
+) -> RunFailed | RunInterrupted:
     """The failure that started it: a rank killed by a signal, a machine lost, else the earliest recorded
     error (records older than `since`, the launch, are another run's).
 
-    Later errors are usually peers noticing the first one (a closed connection), so they are not shown.
+    Later errors are usually peers noticing the first one (a closed connection), and ranks that
+    torch elastic stopped (SIGTERM) after it, so they are not shown. Only when every failed rank was
+    stopped by a signal sent to it (not to the launcher) is the run reported as interrupted.
     """
-    records = {}
-    for path in errors_dir.glob("rank*.json"):
-        try:
-            record = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
-            continue
-        if record["time"] >= since:
-            records[record["rank"]] = record
+    records = {r: record for r, record in read_error_records(errors_dir).items() if record["time"] >= since}
     # A rank that died without raising (killed, out of memory, segfault) recorded nothing.
     for rank, failure in sorted(error.failures.items()):
         if rank not in records and failure.exitcode < 0 and failure.signal_name() != "SIGTERM":
-            return RunFailed(f"rank {rank} died ({failure.signal_name()})", rank=rank)
-    if records:
-        first = min(records.values(), key=lambda r: r["time"])
+            return RunFailed(describe_killed(rank, failure.pid, failure.signal_name(), memory), rank=rank)
+    failed = [r for r in records.values() if not r.get("interrupted")]
+    if failed:
+        first = min(failed, key=lambda r: r["time"])
         if first.get("lost_nodes"):
             return RunFailed(describe_lost(first["lost_nodes"]), rank=first["rank"])
-        return RunFailed(f"rank {first['rank']} failed:\n{first['traceback'].rstrip()}", rank=first["rank"])
+        return RunFailed(describe_record(first, errors_dir), rank=first["rank"])
+    if records:  # SIGINT or SIGTERM sent to the ranks themselves
+        first = min(records.values(), key=lambda r: r["time"])
+        return _interrupted(output_dir, signal.Signals[first["error"].split(": ", 1)[1]])
     rank, failure = error.get_first_failure()
     return RunFailed(f"rank {rank} exited with code {failure.exitcode}", rank=rank)
+
+
+def _interrupted(output_dir: Path, signum: int) -> RunInterrupted:
+    name = signal.Signals(signum).name
+    return RunInterrupted(
+        f"interrupted ({name}): every process of the run stopped; {last_checkpoint_note(output_dir)}",
+        signum=int(signum),
+    )

@@ -32,12 +32,21 @@ class PromptStream:
 
     def take(self, count: int) -> list[int]:
         """The next `count` dataset indices of this generator."""
-        indices = []
+        return [self.index(p) for p in self.take_positions(count)]
+
+    def take_positions(self, count: int) -> list[int]:
+        """The next `count` prompts of this generator, as positions in the run's data order (the
+        order continues past its end: position p is row order[p % len(order)])."""
+        positions = []
         for k in range(self.position, self.position + count):
             step, slot = divmod(k, self.share)
-            indices.append(self.order[(step * self.prompts_per_step + self.offset + slot) % len(self.order)])
+            positions.append(step * self.prompts_per_step + self.offset + slot)
         self.position += count
-        return indices
+        return positions
+
+    def index(self, position: int) -> int:
+        """The dataset index at `position` of the data order."""
+        return self.order[position % len(self.order)]
 
 
 class PromptSource(Protocol):

@@ -114,9 +114,10 @@ def main(
     resolve_data: DataResolver | None = None,
 ) -> int:
     """A command line for `task`: the flags (`--help` lists them) are the run's settings; prints the
-    summary. Returns the exit status: 0, 2 for a problem with the input (one line), 1 when a rank failed.
+    summary. Returns the exit status: 0, 2 for a problem with the input (one line), 1 when a rank failed,
+    128 + the signal when Ctrl-C or SIGTERM stopped the run (it says where the last checkpoint is).
     """
-    from llamarl.control.launcher import RunFailed
+    from llamarl.control.failures import RunFailed, RunInterrupted
 
     name = task.name if isinstance(task, Task) else task
     prog = prog or (f"{name}_rl" if name else Path(sys.argv[0]).name)
@@ -128,10 +129,14 @@ def main(
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     except RunFailed as e:
-        print(f"{prog}: {e}", file=sys.stderr)
+        # On a line of its own: the first trainer rank's progress bar may have been cut mid-line.
+        print(f"\n{prog}: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
+    except RunInterrupted as e:
+        print(f"\n{prog}: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:  # before any rank started
+        print(f"{prog}: interrupted before the run started", file=sys.stderr)
         return 130
     if launched is None:  # a rank under torchrun other than the first trainer rank
         return 0

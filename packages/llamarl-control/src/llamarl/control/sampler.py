@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from llamarl.control.in_flight import InFlightRequest
 from llamarl.control.prompts import PromptSource
 from llamarl.exec.config import SamplingConfig
 from llamarl.exec.types import Generator, Rewarder, RolloutBatch
@@ -73,9 +74,19 @@ class TaskSampler:
         self.episodes = episodes
 
     def sample(
-        self, indices: list[int], *, samples_per_prompt: int, greedy: bool = False, between_steps=None
+        self,
+        indices: list[int],
+        *,
+        samples_per_prompt: int,
+        greedy: bool = False,
+        between_steps: Callable[[], None] | None = None,
+        resume: InFlightRequest | None = None,
     ) -> Sampled:
-        """Samples and scores `samples_per_prompt` completions or episodes of each prompt in `indices`."""
+        """Samples and scores `samples_per_prompt` completions or episodes of each prompt in `indices`.
+
+        `resume`: a paused request of these prompts, continued instead of starting anew (single-turn).
+        Raises `GenerationPaused` when `between_steps` paused the generate (single-turn only: an
+        episode's turns are not paused)."""
         if self.episodes is not None:
             return self._episodes(indices, samples_per_prompt, greedy, between_steps)
         G = samples_per_prompt
@@ -83,12 +94,17 @@ class TaskSampler:
         if greedy:
             extra["greedy"] = True
         with self.phase("generate"):
-            batch = self.generator.generate(
-                [self.source.encode(i) for i in indices],
-                samples_per_prompt=G,
-                max_new_tokens=self.sampling.max_new_tokens,
-                **extra,
-            )
+            if resume is not None:
+                batch = resume.resume(
+                    self.generator, max_new_tokens=self.sampling.max_new_tokens, between_steps=between_steps
+                )
+            else:
+                batch = self.generator.generate(
+                    [self.source.encode(i) for i in indices],
+                    samples_per_prompt=G,
+                    max_new_tokens=self.sampling.max_new_tokens,
+                    **extra,
+                )
         texts = self.source.decode(batch)
         prompts = [self.source.messages(i) for i in indices for _ in range(G)]
         rows = [self.source.row(i) for i in indices for _ in range(G)]

@@ -11,9 +11,16 @@ of them:
     run()        evaluate("start") | sync weights after a resume
                  lock step: for each tick of llamarl.control.schedule, each phase in order:
                      generate / move_rollouts / sync_weights / train / checkpoint
-                 stream:    run_stream(), then one plain weight sync
+                 stream:    run_stream(), then one plain weight sync; every rank pauses after the steps
+                            where an evaluation or a checkpoint is due (`in_stream_pause`)
                  save_final_model(), evaluate("end"), the trace, the summary (first trainer rank)
     close()      executors, channels, files
+
+Checkpoints and evaluations are taken at the same policy versions in every mode: after the step that
+made version v when v is a multiple of `checkpoint.every` (`eval.every`). In lock step every rank
+reaches that point by itself at the end of a tick; in stream mode the first trainer rank asks every
+generator to pause there (`StreamControl.request_pause`) and each generator does so between two of its
+decoding steps, keeping its request in flight.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from llamarl.control import checkpoint as ckpt
 from llamarl.control.channels.weights import FIRST_TRAINER_RANK, WeightChannelAddress, weight_channel_address
 from llamarl.control.config import RunConfig
 from llamarl.control.devices import group_backend, rank_device
-from llamarl.control.evaluation import EvalResult
+from llamarl.control.evaluation import EvalProgress, EvalResult
 from llamarl.control.faults import FaultInjector
 from llamarl.control.memory import ProcessTreeMemory
 from llamarl.control.prompts import load_tokenizer
@@ -62,8 +69,9 @@ class Side:
         self.faults = FaultInjector(rank, self.output_dir)
         self.tick = -1  # the tick being run (-1 before and after the training loop)
         self.resumed: ckpt.Resume | None = None  # the checkpoint this run continues from
-        self.start_tick = 0  # the first tick to run (after the resumed checkpoint's)
+        self.start_tick = 0  # the first tick (stream: step) to run (after the resumed checkpoint's)
         self._eval_s_in_loop = 0.0  # time spent evaluating inside the training loop (not training)
+        self._evaluations = 0  # evaluations so far (every rank counts the same)
         # The shuffled order of the training prompts: every rank computes the same one from the seed.
         self.prompt_order = list(range(len(train_examples)))
         random.Random(config.seed).shuffle(self.prompt_order)
@@ -119,7 +127,9 @@ class Side:
     def score_evaluation(
         self, greedy_Q: torch.Tensor, sampled_Q: torch.Tensor, version: torch.Tensor
     ) -> None:
-        """This rank's share of an evaluation, written into the zero tensors (summed over ranks after)."""
+        """This rank's share of an evaluation, written into the zero tensors (summed over ranks after).
+        A long share calls `eval_heartbeat()` as it goes (e.g. between decoding steps): the other ranks
+        wait as long as it shows progress."""
 
     def record_evaluation(self, result: EvalResult, when: str) -> None:
         """What the first trainer rank does with an evaluation's result."""
@@ -152,6 +162,9 @@ class Side:
         self.device = rank_device(cfg)
         torch.manual_seed(cfg.seed + self.rank)
         self.tokenizer = load_tokenizer(cfg.model)
+        # The launcher's key-value store (a namespace per restart): stream mode's shared counters and
+        # the evaluations' progress.
+        self.store = dist.distributed_c10d._get_default_store()
         # The trainer ranks' own group (FSDP2 and the trainer's all-reduces, never involving the
         # generators); every rank must take part in creating it, members or not. On CUDA its GPU
         # tensors go over NCCL and its CPU bookkeeping over gloo (llamarl.control.devices).
@@ -177,7 +190,7 @@ class Side:
                 [FIRST_TRAINER_RANK, *self.generator_ranks], timeout=timedelta(seconds=cfg.launch.timeout_s)
             )
         if self.resumed is not None:
-            self.start_tick = self.resumed.run_state["tick"]
+            self.start_tick = self.resumed.run_state["tick"]  # stream mode: the step (= policy_version)
             self.restore(self.resumed)
             ckpt.restore_rng(self.resumed.rank_state["rng"])  # last: nothing above may draw from them
 
@@ -245,20 +258,47 @@ class Side:
         Every rank knows the policy version from the tick alone (no message needed). Nothing is in the
         channels then; in async mode the generators' batch made but not yet sent is saved with them.
         """
+        if self.checkpoint_due(tick.policy_version):
+            with self.timeline.phase("checkpoint", tick.index):
+                self.save_checkpoint(tick=tick.index, policy_version=tick.policy_version)
+
+    def checkpoint_due(self, policy_version: int) -> bool:
+        """Whether a checkpoint is taken once `policy_version` is made."""
         every = self.config.checkpoint.every
-        if not every or tick.policy_version % every:
-            return
+        return bool(every) and policy_version % every == 0
+
+    def save_checkpoint(self, *, tick: int, policy_version: int) -> None:
+        """Every rank writes its part of checkpoint `policy_version` (collective); a resumed run starts
+        at tick (stream mode: step) `tick + 1`."""
         assert self.checkpoints is not None
-        with self.timeline.phase("checkpoint", tick.index):
-            self.checkpoints.save(
-                tick=tick.index,
-                policy_version=tick.policy_version,
-                rank_state=self.checkpoint_state(),
-                run_state=self.run_state(),
-                trainer=self.trainer_parts(),
-                trainer_group=self.trainer_group,
-                before_commit=lambda: self.faults.strike(tick.index, "checkpoint"),
-            )
+        self.checkpoints.save(
+            tick=tick,
+            policy_version=policy_version,
+            rank_state=self.checkpoint_state(),
+            run_state=self.run_state(),
+            trainer=self.trainer_parts(),
+            trainer_group=self.trainer_group,
+            before_commit=lambda: self.faults.strike(tick, "checkpoint"),
+        )
+
+    # ----------------------------------------------------------------------------------------------
+    # stream
+
+    def eval_due_in_stream(self, policy_version: int) -> bool:
+        """Whether stream mode evaluates once `policy_version` is made (not after the last step: the
+        final evaluation follows anyway)."""
+        every = self.config.eval.every
+        return bool(every) and policy_version % every == 0 and policy_version < self.config.schedule.steps
+
+    def in_stream_pause(self, kind: str, policy_version: int) -> None:
+        """Stream mode: this rank's part of a pause after the step that made `policy_version` (every
+        rank, in the same order): an evaluation inside the loop, or a checkpoint. A resumed run starts
+        at the next step."""
+        if kind == "eval":
+            self.evaluate_in_loop(f"step {policy_version}")
+        else:
+            with self.timeline.phase("checkpoint", policy_version - 1):
+                self.save_checkpoint(tick=policy_version - 1, policy_version=policy_version)
 
     def trainer_parts(self) -> tuple[torch.nn.Module, torch.optim.Optimizer] | None:
         """(model, optimizer) that checkpoints save through DCP on trainer ranks; None on generators."""
@@ -271,9 +311,13 @@ class Side:
         """Evaluates every `eval.every` ticks inside the training loop (learning curves)."""
         every = self.config.eval.every
         if every and tick > 0 and tick % every == 0:
-            start = time.perf_counter()
-            self.evaluate(f"tick {tick}")
-            self._eval_s_in_loop += time.perf_counter() - start
+            self.evaluate_in_loop(f"tick {tick}")
+
+    def evaluate_in_loop(self, when: str) -> None:
+        """An evaluation inside the training loop; its time is left out of the step times."""
+        start = time.perf_counter()
+        self.evaluate(when)
+        self._eval_s_in_loop += time.perf_counter() - start
 
     def evaluate(self, when: str) -> EvalResult | None:
         """Accuracy on the held-out questions, split across generators; None when eval.size is 0.
@@ -288,8 +332,15 @@ class Side:
         greedy_Q = torch.zeros(num_questions, dtype=torch.float64)
         sampled_Q = torch.zeros(num_questions, dtype=torch.float64)
         version = torch.zeros(1, dtype=torch.int64)  # the generators' policy_version (all hold the same)
+        self._evaluations += 1
+        self._eval_progress = EvalProgress(self.store, self._evaluations)
         with self.timeline.phase("eval", self.tick):
             self.score_evaluation(greedy_Q, sampled_Q, version)
+            if self.rank in self.generator_ranks:
+                self._eval_progress.done()
+            # Collectives wait at most launch.timeout_s; an evaluation may take longer, so every rank
+            # first waits here for as long as the generators show progress.
+            self._eval_progress.wait(len(self.generator_ranks), timeout_s=self.config.launch.timeout_s)
             for tensor in (greedy_Q, sampled_Q):
                 dist.all_reduce(tensor)
             dist.all_reduce(version, op=dist.ReduceOp.MAX)
@@ -300,6 +351,11 @@ class Side:
         )
         self.record_evaluation(result, when)
         return result
+
+    def eval_heartbeat(self) -> None:
+        """A generator scoring its share of the evaluation under way shows progress (cheap: at most
+        about once a second it reaches the store)."""
+        self._eval_progress.beat()
 
     # ----------------------------------------------------------------------------------------------
     # the end

@@ -186,22 +186,31 @@ class TrainerLoop:
         take: Callable[[], RolloutBatch],
         relay: Callable[[RolloutBatch], RolloutBatch],
         control: StreamControl | None,
-        on_step: Callable[[dict[str, float]], None],
+        on_step: Callable[[dict[str, float], RolloutBatch], None],
+        first_step: int = 0,
+        before_step: Callable[[int], None] = lambda step: None,
+        after_step: Callable[[int], None] = lambda version: None,
     ) -> None:
-        """Stream mode: `steps` times take a batch (`take`, e.g. from the `RolloutBuffer`), keep this
-        rank's part (`relay`), train and send the new weights; then tell the generators to stop.
+        """Stream mode: steps `first_step` .. `steps - 1` (a resumed run starts later): take a batch
+        (`take`, e.g. from the `RolloutBuffer`), keep this rank's part (`relay`), train and send the new
+        weights; then tell the generators to stop.
 
-        `control` is None on trainer ranks other than the first (they neither announce nor stop).
+        `on_step(record, whole batch)` logs each step; `before_step(step)` runs first (fault
+        injection); `after_step(policy_version)` runs once the new weights went out (evaluations and
+        checkpoints pause the run there). `control` is None on trainer ranks other than the first
+        (they neither announce nor stop).
         """
-        for step in range(steps):
+        for step in range(first_step, steps):
             self.tick = step
+            before_step(step)
             with self.timeline.phase("rollouts", step):
                 whole = take()  # the first trainer rank answers requests for weights while it waits
             record = self.train(relay(whole), whole)
-            on_step(record)
+            on_step(record, whole)
             if control is not None:
                 control.announce()
             self.send_weights()
+            after_step(self.policy_version)
         if control is not None:
             control.stop()
 

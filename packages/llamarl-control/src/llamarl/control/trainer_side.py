@@ -2,17 +2,21 @@
 group when N > 1 or on CUDA) and a `TrainerLoop`.
 
 The first trainer rank receives every generator's rollouts and relays each other trainer rank its part
-(whole groups), logs the metrics, keeps the histories that checkpoints and the summary need, and writes
-the summary, the report and the final model. Every trainer rank sends its own shards of the weights to
+(whole groups), logs the metrics and which groups each step trained on (OUTPUT_DIR/trained_groups.jsonl,
+by their positions in the data order), keeps the histories that checkpoints and the summary need, and
+writes the summary, the report and the final model. Every trainer rank sends its own shards of the weights to
 the generators (llamarl.comm: nothing is gathered).
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 import torch.distributed as dist
@@ -34,6 +38,8 @@ from llamarl.control.trainer_loop import TrainerLoop
 from llamarl.exec import PolicyTrainer
 from llamarl.exec.types import RolloutBatch
 
+TRAINED_LOG = "trained_groups.jsonl"  # OUTPUT_DIR/...: the groups each step trained on
+
 
 class TrainerSide(Side):
     """A trainer rank."""
@@ -42,6 +48,7 @@ class TrainerSide(Side):
     trainer: PolicyTrainer | None = None
     weight_group: WeightSyncGroup | None = None
     sender: WeightSender | None = None
+    trained_log: TextIO | None = None  # first trainer rank: OUTPUT_DIR/trained_groups.jsonl
 
     def build_executors(self) -> None:
         cfg = self.config
@@ -66,6 +73,10 @@ class TrainerSide(Side):
         self.evaluations: list[EvalResult] = []  # first trainer rank: every evaluation, in order
         # (this rank's part, the whole batch on the first rank) arrived, not yet trained on
         self._received: tuple[RolloutBatch, RolloutBatch] | None = None
+        # Stream mode on the first trainer rank: the buffer, the shared counters and the batches
+        # discarded after the run ended; a resumed run's saved buffer and counters until the stream starts.
+        self._stream: tuple[RolloutBuffer, StreamControl, list[int]] | None = None
+        self._restored_stream: dict[str, Any] | None = None
 
     def open_channels(self, address: WeightChannelAddress) -> None:
         cfg = self.config
@@ -89,6 +100,10 @@ class TrainerSide(Side):
             saved = self.resumed.run_state if self.resumed is not None else {}
             if self.resumed is not None:  # lines written after the checkpoint are made again, so cut them
                 ckpt.truncate(self.output_dir / "metrics.jsonl", saved["metrics_bytes"])
+                ckpt.truncate(self.output_dir / TRAINED_LOG, saved.get("trained_bytes", 0))
+            elif (self.output_dir / TRAINED_LOG).exists():
+                (self.output_dir / TRAINED_LOG).unlink()  # a fresh run in an old output folder
+            self.trained_log = (self.output_dir / TRAINED_LOG).open("a", encoding="utf-8")
             self.logger = MetricsLogger(
                 output_dir=self.output_dir,
                 total_steps=cfg.schedule.steps,
@@ -107,10 +122,18 @@ class TrainerSide(Side):
             self.evaluations = [EvalResult(**e) for e in saved["evaluations"]]
             self.loop.last_sync_s = saved["last_sync_s"]
             self.loop.generator_stats.restore(saved["generator_stats"])
+            self._restored_stream = resume.rank_state.get("stream")
             self.logger.write(f"resumed from {resume.found.path} (policy_version {resume.found.step})")
 
     def checkpoint_state(self) -> dict[str, Any]:
-        return {}
+        if self._stream is None:
+            return {}
+        buffer, control, discarded = self._stream
+        # Taken while every generator is paused after its marker: nothing is in the channel, so the
+        # buffer and the counters are the whole of the stream's state on this side.
+        return {
+            "stream": {"buffer": buffer.state(), "admission": control.counts(), "discarded": discarded[0]}
+        }
 
     def run_state(self) -> dict[str, Any] | None:
         if not self.is_logger:
@@ -122,7 +145,13 @@ class TrainerSide(Side):
             "generator_stats": self.loop.generator_stats.state(),
             "wandb_id": self.logger.wandb_id,
             "metrics_bytes": self.logger.jsonl_bytes(),
+            "trained_bytes": self._trained_bytes(),
         }
+
+    def _trained_bytes(self) -> int:
+        assert self.trained_log is not None
+        self.trained_log.flush()
+        return self.trained_log.tell()
 
     def trainer_parts(self) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         assert self.trainer.model is not None and self.trainer.optimizer is not None
@@ -165,36 +194,74 @@ class TrainerSide(Side):
         part, whole = self._received
         self._received = None
         self.loop.tick = tick.index
-        self._log_step(self.loop.train(part, whole))
+        self._log_step(self.loop.train(part, whole), whole)
 
-    def _log_step(self, record: dict[str, float]) -> None:
+    def _log_step(self, record: dict[str, float], whole: RolloutBatch) -> None:
         if self.is_logger:
             self.step_records.append(record)
             self.logger.log(self.trainer.policy_version, record)
+            self._log_trained(whole)
+
+    def _log_trained(self, whole: RolloutBatch) -> None:
+        """One line of OUTPUT_DIR/trained_groups.jsonl: the groups this step trained on, by their
+        prompts' positions in the data order, with the version that sampled each group's oldest token."""
+        assert self.trained_log is not None and whole.prompt_position_B is not None
+        G = whole.group_size
+        line = {
+            "step": self.trainer.policy_version,
+            "positions": whole.prompt_position_B[::G].tolist(),
+            # a sequence's first token is its oldest (versions only grow within a sequence)
+            "oldest_versions": whole.policy_version_B.view(-1, G).min(1).values.tolist(),
+        }
+        self.trained_log.write(json.dumps(line) + "\n")
+        self.trained_log.flush()
 
     # ----------------------------------------------------------------------------------------------
     # stream
 
     def run_stream(self) -> None:
         """The trainer takes the oldest groups still within max_policy_lag from the buffer the
-        generators fill (first in, first out: no group waits forever), trains, and sends the weights."""
+        generators fill (first in, first out: no group waits forever), trains, and sends the weights;
+        after the steps where an evaluation or a checkpoint is due every rank pauses."""
         cfg = self.config
         steps = cfg.schedule.steps
+
+        def strike(step: int) -> None:
+            self.faults.strike(step)
+
         if not self.is_logger:  # another FSDP2 trainer rank: its part of every batch comes from rank 0
 
             def take_part() -> RolloutBatch:
                 part, _ = recv_rollouts(src=FIRST_TRAINER_RANK)
-                assert part is not None
+                assert isinstance(part, RolloutBatch)
                 return part
 
+            def pause_too(version: int) -> None:
+                for kind in self._pauses_due(version):
+                    self.in_stream_pause(kind, version)
+
+            dist.barrier()  # the first trainer rank set the shared counters
             self.loop.stream(
-                steps=steps, take=take_part, relay=lambda b: b, control=None, on_step=self._log_step
+                steps=steps,
+                take=take_part,
+                relay=lambda b: b,
+                control=None,
+                on_step=self._log_step,
+                first_step=self.start_tick,
+                before_step=strike,
+                after_step=pause_too,
             )
             return
-        control = StreamControl(dist.distributed_c10d._get_default_store())
+        control = StreamControl(self.store)
         buffer = RolloutBuffer(capacity_groups=cfg.buffer_groups, max_policy_lag=cfg.schedule.max_policy_lag)
-        errors: list[BaseException] = []
         discarded = [0]
+        if self._restored_stream is not None:  # the groups buffered at the checkpoint, and the counters
+            buffer.restore(self._restored_stream["buffer"])
+            control.restore_counts(self._restored_stream["admission"])
+            discarded[0] = self._restored_stream["discarded"]
+        self._stream = (buffer, control, discarded)
+        dist.barrier()  # generators admit requests only once the counters are set
+        errors: list[BaseException] = []
 
         def drain(src: int) -> None:
             try:
@@ -215,26 +282,53 @@ class TrainerSide(Side):
         for thread in threads:
             thread.start()
 
-        def take() -> RolloutBatch:
+        @contextmanager
+        def drain_errors() -> Iterator[None]:
+            """A wait on the buffer that fails because a receiving thread failed raises its error."""
             try:
-                return buffer.take(
-                    cfg.schedule.prompts_per_step,
-                    current_version=self.trainer.policy_version,
-                    timeout_s=cfg.launch.timeout_s,
-                    on_wait=lambda: self.loop.answer_weight_requests(control),
-                )
+                yield
             except Exception as e:
                 if errors:
                     raise errors[0] from e
                 raise
 
-        def on_step(record: dict[str, float]) -> None:
+        def take() -> RolloutBatch:
+            consumed = buffer.counts.taken + buffer.counts.dropped_stale
+            with drain_errors():
+                batch = buffer.take(
+                    cfg.schedule.prompts_per_step,
+                    current_version=self.trainer.policy_version,
+                    timeout_s=cfg.launch.timeout_s,
+                    on_wait=lambda: self.loop.answer_weight_requests(control),
+                )
+            control.consumed(buffer.counts.taken + buffer.counts.dropped_stale - consumed)
+            return batch
+
+        def on_step(record: dict[str, float], whole: RolloutBatch) -> None:
             record["stream/dropped_stale_groups"] = float(buffer.counts.dropped_stale)
             record["stream/buffered_groups"] = float(len(buffer))
-            self._log_step(record)
+            self._log_step(record, whole)
+
+        def pause(version: int) -> None:
+            for kind in self._pauses_due(version):
+                markers = buffer.counts.markers + len(self.generator_ranks)
+                buffer.hold(True)  # the generators' sends never wait on a paused trainer
+                control.request_pause(kind, version)
+                if kind == "checkpoint":  # every generator sent all it had: the channel is empty
+                    with drain_errors():
+                        buffer.wait_for_markers(markers, timeout_s=cfg.launch.timeout_s)
+                self.in_stream_pause(kind, version)
+                buffer.hold(False)
 
         self.loop.stream(
-            steps=steps, take=take, relay=self._split_across_trainers, control=control, on_step=on_step
+            steps=steps,
+            take=take,
+            relay=self._split_across_trainers,
+            control=control,
+            on_step=on_step,
+            first_step=self.start_tick,
+            before_step=strike,
+            after_step=pause,
         )
         buffer.close()  # what still arrives is received and discarded until every generator ends
         for thread in threads:
@@ -243,12 +337,20 @@ class TrainerSide(Side):
                 raise TimeoutError(f"{thread.name}: a generator did not end its stream in time")
         if errors:
             raise errors[0]
+        counts = buffer.counts
         self.stream_counts = {
-            "dropped_stale_groups": buffer.counts.dropped_stale,
-            "received_groups": buffer.counts.received,
-            "unused_groups": buffer.counts.received - buffer.counts.taken - buffer.counts.dropped_stale,
-            "discarded_batches": discarded[0],
+            "dropped_stale_groups": counts.dropped_stale,
+            "received_groups": counts.received,
+            "unused_groups": counts.received - counts.taken - counts.dropped_stale,
+            "discarded_groups": discarded[0],  # arrived after the last step: sampled, never trained
+            "dropped_stale_frac": counts.dropped_stale / max(1, counts.taken + counts.dropped_stale),
         }
+
+    def _pauses_due(self, policy_version: int) -> list[str]:
+        """The pauses after the step that made `policy_version`, in order (an evaluation first, so that
+        a checkpoint taken there holds its result)."""
+        due = ["eval"] if self.eval_due_in_stream(policy_version) else []
+        return due + (["checkpoint"] if self.checkpoint_due(policy_version) else [])
 
     # ----------------------------------------------------------------------------------------------
     # the end
@@ -303,7 +405,7 @@ class TrainerSide(Side):
         return summary
 
     def close(self) -> None:
-        for part in (self.sender, self.weight_group, self.trainer):
+        for part in (self.sender, self.weight_group, self.trainer, self.trained_log):
             if part is not None:
                 part.close()
 

@@ -23,7 +23,7 @@ from llamarl.exec.episodes import BatchTurnSession
 from llamarl.exec.lora import adapter_tensors, add_lora
 from llamarl.exec.models import load_model_and_tokenizer, resolve_dtype
 from llamarl.exec.padding import completion_mask, left_pad
-from llamarl.exec.types import RolloutBatch
+from llamarl.exec.types import GenerationPaused, PauseGeneration, RolloutBatch
 
 
 class _BehaviorLogprobRecorder:
@@ -38,9 +38,11 @@ class _BehaviorLogprobRecorder:
         self.temperature = temperature
         self.on_step = on_step  # called once per decoding step, after that step's scores are recorded
         self.logprobs_BC: list[torch.Tensor] = []
+        self.input_ids: torch.Tensor | None = None  # prompt + every token drawn so far (a paused call's)
         self._pending_BV: torch.Tensor | None = None
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.input_ids = input_ids
         if self._pending_BV is not None:
             self._resolve(input_ids[:, -1])
         self._pending_BV = torch.log_softmax(scores.float() / self.temperature, dim=-1)
@@ -207,11 +209,16 @@ class HFGenerator:
             between_steps: called between decoding steps (after step t's logits, before step t + 1's
                 forward pass). It may load new weights into `model` in place and raise
                 `policy_version` (an in-flight update: later tokens come from the new weights; the
-                KV cache of earlier tokens is kept), or raise to abandon the call.
+                KV cache of earlier tokens is kept), or raise to abandon the call; `PauseGeneration`
+                keeps what was sampled (`GenerationPaused`).
 
         Returns:
             RolloutBatch with rewards zeros, policy_version_B = the version at the first token and
             token_version_BC = the version that sampled each token.
+
+        Raises:
+            GenerationPaused: `between_steps` raised `PauseGeneration`; it holds the completions drawn
+                so far (every row has the same number of steps; rows that met EOS are finished).
         """
         if self.model is None:
             raise RuntimeError("HFGenerator.generate called before setup()")
@@ -258,18 +265,62 @@ class HFGenerator:
             use_cache=True,
             return_dict_in_generate=False,
         )
-        sequences = self.model.generate(
-            input_ids=prompt_ids_BP.to(device),
-            attention_mask=prompt_mask_BP.to(device),
-            generation_config=generation_config,
-            logits_processor=LogitsProcessorList([recorder]),
+        try:
+            sequences = self.model.generate(
+                input_ids=prompt_ids_BP.to(device),
+                attention_mask=prompt_mask_BP.to(device),
+                generation_config=generation_config,
+                logits_processor=LogitsProcessorList([recorder]),
+            )
+        except PauseGeneration:
+            # Paused before step t's token was drawn: the t tokens drawn so far are resolved (log-probs
+            # and versions); step t is drawn again when the completion continues.
+            assert recorder.input_ids is not None
+            drawn_BC = recorder.input_ids[:, prompt_ids_BP.shape[1] :].cpu()
+            num_drawn = drawn_BC.shape[1]
+            logprobs = recorder.logprobs_BC
+            logprobs_BC = torch.stack(logprobs, 1) if logprobs else torch.zeros(drawn_BC.shape[0], 0)
+            partial = self._batch(
+                prompt_ids_BP,
+                prompt_mask_BP,
+                drawn_BC,
+                logprobs_BC.cpu(),
+                step_versions[:num_drawn],
+                samples_per_prompt,
+                trim=False,
+            )
+            # A row is done once it drew an EOS (transformers pads it from there on).
+            finished_B = torch.isin(drawn_BC, torch.tensor(self.eos_token_ids)).any(1)
+            raise GenerationPaused(partial, finished_B | (num_drawn >= max_new_tokens)) from None
+        return self._batch(
+            prompt_ids_BP,
+            prompt_mask_BP,
+            sequences[:, prompt_ids_BP.shape[1] :].cpu(),
+            recorder.finish(sequences[:, -1]).cpu(),
+            step_versions,
+            samples_per_prompt,
         )
-        completion_ids_BC = sequences[:, prompt_ids_BP.shape[1] :].cpu()
-        behavior_logprobs_BC = recorder.finish(sequences[:, -1]).cpu()
+
+    def _batch(
+        self,
+        prompt_ids_BP: torch.Tensor,
+        prompt_mask_BP: torch.Tensor,
+        completion_ids_BC: torch.Tensor,
+        behavior_logprobs_BC: torch.Tensor,
+        step_versions: list[int],
+        samples_per_prompt: int,
+        *,
+        trim: bool = True,
+    ) -> RolloutBatch:
+        """The RolloutBatch of `generate`'s raw output: completions masked after their first EOS and
+        (with `trim`) cut to the longest; `step_versions[t]` sampled every row's token t."""
         completion_mask_BC = completion_mask(completion_ids_BC, self.eos_token_ids)
         # Columns past the longest completion hold only padding (possible when max_new_tokens is hit
         # by none): drop them so C is the longest completion.
-        length = int(completion_mask_BC.sum(1).max()) if completion_mask_BC.numel() else 0
+        if trim:
+            length = int(completion_mask_BC.sum(1).max()) if completion_mask_BC.numel() else 0
+        else:
+            length = completion_ids_BC.shape[1]
         completion_ids_BC = completion_ids_BC[:, :length]
         completion_mask_BC = completion_mask_BC[:, :length]
         completion_ids_BC = completion_ids_BC.masked_fill(completion_mask_BC == 0, self.pad_token_id)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing as mp
+import signal
 import time
 from collections.abc import Sequence
 from multiprocessing.connection import Connection, wait
@@ -29,6 +30,10 @@ _START_TIMEOUT_S = 120.0  # a worker that cannot import its reward functions in 
 
 def _worker_main(conn: Connection, rewards: tuple[Reward, ...]) -> None:
     """Worker loop: receive (job, prompts, completions, rows), send (job, scores, errors)."""
+    # Ctrl-C (and a scheduler's SIGTERM) reach every process of the run: a worker ends with its rank
+    # (which stops it, or whose exit closes the pipe), never with a traceback of its own.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     conn.send(("ready", None, None))
     while True:
         try:

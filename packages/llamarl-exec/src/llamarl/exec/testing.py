@@ -85,15 +85,12 @@ def read_jsonl(path: str | os.PathLike[str], count: int | None = None) -> list[d
     return rows
 
 
-REQUIRE_VLLM_ENV = "LLAMARL_REQUIRE_VLLM"
-"""Set to 1 (as .ci/run does) to make tests that need the vLLM environment fail, not skip, without it."""
-
-
 def vllm_python_for_tests() -> str:
-    """The vLLM environment's interpreter for a test that runs the real engine.
+    """The vLLM environment's interpreter for a test that runs the real engine (marked `vllm`).
 
-    Without one the test is skipped on a developer's machine, but fails when $LLAMARL_REQUIRE_VLLM is 1
-    (CI builds the environment first, so there a missing one is a bug, never a green skip).
+    The workspace's conftest.py builds the environment before such a test runs; a missing one here
+    fails the test with the command that builds it, never skips it (a green run without the real-engine
+    tests would prove nothing about them).
     """
     import pytest
 
@@ -102,9 +99,7 @@ def vllm_python_for_tests() -> str:
     try:
         return find_vllm_python()
     except VLLMEnvironmentError as e:
-        if os.environ.get(REQUIRE_VLLM_ENV) == "1":
-            pytest.fail(f"{e} ({REQUIRE_VLLM_ENV}=1)", pytrace=False)
-        pytest.skip(str(e))
+        pytest.fail(f"{e}; from a llamarl checkout: bash tools/setup_vllm_env.sh", pytrace=False)
 
 
 def build_trainer(model: str, *, temperature: float = 1.0, total_steps: int = 1, **settings):

@@ -36,10 +36,15 @@ class RolloutBatch:
     # generator takes new weights in flight); 0 on padding. None: every token of a sequence was sampled
     # by its policy_version_B (filled in by __post_init__).
     token_version_BC: torch.Tensor | None = None
+    # int64, each sequence's prompt as a position in the run's shuffled data order (the controller sets
+    # it; OUTPUT_DIR/trained_groups.jsonl names the groups each step trained on by it). -1: not set.
+    prompt_position_B: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.token_version_BC is None:
             self.token_version_BC = self.policy_version_B[:, None] * self.completion_mask_BC.long()
+        if self.prompt_position_B is None:
+            self.prompt_position_B = torch.full_like(self.policy_version_B, -1)
 
     @property
     def num_sequences(self) -> int:
@@ -72,7 +77,8 @@ class RolloutBatch:
         return self.select(slice(index * rows, (index + 1) * rows))
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """The tensor fields by name, in a fixed order (token_version_BC always present)."""
+        """The tensor fields by name, in a fixed order (token_version_BC and prompt_position_B always
+        present)."""
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "group_size"}
 
 
@@ -106,6 +112,28 @@ class TurnSession(Protocol):
     def close(self) -> None:
         """Abandons the turns still running."""
         ...
+
+
+class PauseGeneration(Exception):
+    """Raised by a `between_steps` callback to stop a `generate` early and keep what it sampled: the
+    generator then raises `GenerationPaused` with the completions as far as they got. Stream mode
+    pauses the requests in flight for a checkpoint or an evaluation and continues them afterwards."""
+
+
+class GenerationPaused(Exception):
+    """A `generate` stopped by `PauseGeneration`.
+
+    Attributes:
+        partial: every completion as far as it got: tokens, behaviour log-probs and the version of each
+            token (rewards zeros); B = num_prompts x samples_per_prompt rows as `generate` returns.
+        finished_B: bool [B], which completions are complete (ended by EOS or at max_new_tokens); the
+            others continue from `prompt + partial completion`.
+    """
+
+    def __init__(self, partial: RolloutBatch, finished_B: torch.Tensor) -> None:
+        super().__init__(f"generate paused with {int((~finished_B).sum())} of {len(finished_B)} unfinished")
+        self.partial = partial
+        self.finished_B = finished_B
 
 
 class Generator(Protocol):
@@ -152,7 +180,8 @@ class Generator(Protocol):
         between_steps: Callable[[], None] | None = None,
     ) -> RolloutBatch:
         """Samples `samples_per_prompt` completions per prompt (token ids); rewards are zeros.
-        `between_steps` is called between decoding steps when `supports_in_flight_updates`."""
+        `between_steps` is called between decoding steps when `supports_in_flight_updates`; when it
+        raises `PauseGeneration`, `generate` raises `GenerationPaused` with what was sampled so far."""
         ...
 
     def open_turns(

@@ -22,6 +22,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from llamarl.exec.types import PauseGeneration
 from llamarl.exec.vllm_env import engine_env, find_vllm_python
 
 _SERVER = Path(__file__).resolve().with_name("vllm_server.py")
@@ -174,7 +175,8 @@ class EngineClient:
 
     def generate(self, request: dict[str, Any], between_steps: Callable[[], None] | None) -> dict[str, Any]:
         """Sends one generate request and waits for its reply, calling `between_steps` about every
-        BETWEEN_STEPS_S meanwhile.
+        BETWEEN_STEPS_S meanwhile. When `between_steps` raises `PauseGeneration` the engine ends the
+        generate early and its reply (`paused`, `finished`) holds what was sampled so far.
 
         The wait is bounded by `timeout_s` of engine time: the time spent inside `between_steps` (a
         weight sync waiting for the trainer, with a deadline of its own) extends it. If the wait is
@@ -206,7 +208,13 @@ class EngineClient:
                     )
                 if between_steps is not None:
                     called = time.monotonic()
-                    between_steps()
+                    try:
+                        between_steps()
+                    except PauseGeneration:
+                        # The engine ends the generate and replies with what it sampled so far (or
+                        # with all of it, if it finished just before the pause arrived).
+                        self._pause_generate()
+                        break
                     deadline += time.monotonic() - called
         except BaseException as exc:
             if self._generate_reply is None and not isinstance(exc, EngineLost):  # a lost one has none
@@ -219,6 +227,21 @@ class EngineClient:
         if status != "ok":
             raise EngineError(f"the vLLM engine failed in generate:\n{value}")
         return value
+
+    def _pause_generate(self) -> None:
+        """Has the engine end the generate in flight early and reads both replies (the pause's, the
+        generate's with the completions so far), waiting at most ABORT_TIMEOUT_S."""
+        self._send("pause", {})
+        deadline = time.monotonic() + ABORT_TIMEOUT_S
+        pause_answered = False
+        while not (pause_answered and self._generate_reply is not None):
+            status, value, replied_to = self._receive(max(0.0, deadline - time.monotonic()), what="pause")
+            if replied_to == "pause":
+                pause_answered = True
+            elif replied_to == "generate":
+                self._generate_reply = (status, value)
+            else:
+                raise EngineError(f"the vLLM engine answered {replied_to!r} while pause was awaited")
 
     def _abort_generate(self) -> None:
         """Has the engine abort the generate in flight and reads both replies (the abort's, the

@@ -46,7 +46,7 @@ import torch
 
 from llamarl.exec.config import GeneratorConfig, SamplingConfig
 from llamarl.exec.padding import completion_mask, left_pad
-from llamarl.exec.types import RolloutBatch, TurnOutput
+from llamarl.exec.types import GenerationPaused, RolloutBatch, TurnOutput
 from llamarl.exec.vllm_client import BETWEEN_STEPS_S, EngineClient, EngineError, EngineLost
 
 __all__ = ["EngineError", "EngineLost", "VLLMGenerator", "WeightsNotSyncedError"]
@@ -307,7 +307,8 @@ class VLLMGenerator:
                 weights in flight (`receive_weights`, directly or through the controller's receiver):
                 the engine loads them between two of its steps, the requests keep their KV cache and
                 later tokens come from the new weights. It may raise to abandon the call (the engine's
-                requests are aborted first). Time spent in it does not count against timeout_s: its
+                requests are aborted first), or raise `PauseGeneration` to end it keeping what was
+                sampled (`GenerationPaused`). Time spent in it does not count against timeout_s: its
                 calls have deadlines of their own.
 
         Returns:
@@ -315,6 +316,8 @@ class VLLMGenerator:
             policy_version_B the version of each sequence's first token.
 
         Raises:
+            GenerationPaused: `between_steps` raised `PauseGeneration` before every completion finished;
+                it holds the completions as far as they got.
             EngineLost: the engine died (before or during the call); `restart_engine()` replaces it.
             WeightsNotSyncedError: `policy_version` is None (see the class doc).
         """
@@ -353,7 +356,7 @@ class VLLMGenerator:
         prompt_ids_BP, prompt_mask_BP = left_pad(
             [p for p in prompts for _ in range(samples_per_prompt)], self.pad_token_id
         )
-        length = max(len(t) for t in token_ids)
+        length = max((len(t) for t in token_ids), default=0)
         completion_ids_BC = torch.full((num_sequences, length), self.pad_token_id, dtype=torch.int64)
         behavior_logprobs_BC = torch.zeros((num_sequences, length), dtype=torch.float32)
         token_version_BC = torch.zeros((num_sequences, length), dtype=torch.int64)
@@ -375,7 +378,7 @@ class VLLMGenerator:
             [vs[0] if vs else version_at_start for vs in versions], dtype=torch.int64
         )
 
-        return RolloutBatch(
+        batch = RolloutBatch(
             prompt_ids_BP=prompt_ids_BP,
             prompt_mask_BP=prompt_mask_BP,
             completion_ids_BC=completion_ids_BC,
@@ -386,6 +389,10 @@ class VLLMGenerator:
             token_version_BC=token_version_BC,
             group_size=samples_per_prompt,
         )
+        finished_B = torch.tensor(reply.get("finished", [True] * num_sequences), dtype=torch.bool)
+        if reply.get("paused") and not bool(finished_B.all()):
+            raise GenerationPaused(batch, finished_B)
+        return batch
 
 
 def _special_tokens(model_dir: Path) -> tuple[list[int], int]:

@@ -8,7 +8,8 @@ until the parent goes away (end of file on the socket). It imports only the stan
 not imported.
 
 In-flight requests: `generate` steps the engine itself and, between two engine steps, answers the few
-requests that may arrive while it runs (`NESTED_METHODS`: a weight sync, a version query, an abort).
+requests that may arrive while it runs (`NESTED_METHODS`: a weight sync, a version query, an abort, a
+pause that ends the generate with what it sampled so far).
 Replies name their request because a nested request's reply and the generate's own reply can cross
 (the generate may finish just as the client sends a sync); the client sorts them by that name.
 
@@ -34,11 +35,15 @@ def log(msg: str) -> None:
 
 # Requests the engine answers while a generate is in flight (between two engine steps); any other is an
 # error there. "close" ends the generate (its requests aborted) and then the process.
-NESTED_METHODS = ("receive_weights", "weight_version", "abort", "close")
+NESTED_METHODS = ("receive_weights", "weight_version", "abort", "pause", "close")
 
 
 class GenerateAborted(Exception):
     """The client abandoned the generate in flight ("abort" between two engine steps, or it went away)."""
+
+
+class GeneratePaused(Exception):
+    """The client paused the generate in flight: it ends now and replies with what was sampled so far."""
 
 
 class CloseRequested(Exception):
@@ -95,9 +100,14 @@ class Engine:
         requests stay in flight, their KV cache from the old weights kept (partial rollouts, as in
         PipelineRL / AReaL), and later tokens come from the new weights.
 
+        A "pause" between two steps ends the call early: its requests are aborted and the reply holds
+        every completion as far as it got, with `finished` saying which are complete.
+
         Returns:
             token_ids, logprobs, token_versions: one list per completion (len(prompts) * n, the samples
                 of one prompt contiguous), each as long as the completion.
+            finished: per completion, whether it is complete (always all True unless paused).
+            paused: whether a "pause" ended the call.
             version_arrivals: per completion, [(tokens it had, version)] for each version that arrived
                 while it was in flight.
             policy_version: the version served at the end.
@@ -135,6 +145,7 @@ class Engine:
         arrivals: list[list[tuple[int, int | None]]] = [[] for _ in range(num)]
         finished = [False] * num
         added: list[str] = []
+        paused = False
         self._in_flight = True
         try:
             raw = [TokensPrompt(prompt_token_ids=p) for p in prompts]
@@ -146,7 +157,11 @@ class Engine:
                 added.append(rid)
             while engine.has_unfinished_requests():
                 version_before = self._version
-                self._serve_nested()  # may load new weights (and raise GenerateAborted)
+                try:
+                    self._serve_nested()  # may load new weights (and raise GenerateAborted)
+                except GeneratePaused:
+                    paused = True
+                    break
                 if self._version != version_before:
                     for row in range(num):
                         if not finished[row]:
@@ -162,18 +177,21 @@ class Engine:
                         ]
                         versions[row] += [version] * len(ids)
                         finished[row] = finished[row] or completion.finished()
-            added = []  # every request finished: nothing to abort
+            if not paused:
+                added = []  # every request finished: nothing to abort
         finally:
             self._in_flight = False
             if added:  # aborted or failed half way: the requests must not run into the next call
                 engine.abort_request(added)
             self._reset_owed_prefix_cache()
-        if not all(finished):
+        if not paused and not all(finished):
             raise RuntimeError(f"the engine ran out of requests with completions unfinished: {finished}")
         return {
             "token_ids": token_ids,
             "logprobs": logprobs,
             "token_versions": versions,
+            "finished": finished,
+            "paused": paused,
             "version_arrivals": arrivals,
             "policy_version": self.weight_version(),
         }
@@ -254,6 +272,9 @@ class Engine:
             if method == "abort":
                 self.conn.send(("ok", None, method))
                 raise GenerateAborted("aborted by the generator")
+            if method == "pause":
+                self.conn.send(("ok", None, method))
+                raise GeneratePaused
             if method == "close":
                 raise CloseRequested
             if method not in NESTED_METHODS:
@@ -276,6 +297,10 @@ class Engine:
 
     def abort(self) -> None:
         """Abandons a generate in flight; outside one (it finished first) there is nothing to do."""
+        return None
+
+    def pause(self) -> None:
+        """Ends a generate in flight with what it sampled; outside one (it finished first) nothing to do."""
         return None
 
     def init_weight_sync(self, **kwargs: Any) -> int:

@@ -3,7 +3,12 @@
 Generators put groups (the samples of one prompt) as they finish them; the trainer takes the next
 batch of groups whose oldest token is at most `max_policy_lag` policy versions behind its own weights.
 Older groups are dropped (and counted) at take time, never trained on. A full buffer blocks `put`:
-that back-pressure is what stops a generator that runs ahead of the trainer.
+that back-pressure is what stops a generator that runs ahead of the trainer (admission control,
+`StreamControl.admit`, keeps it from sampling so far ahead in the first place).
+
+While the run pauses (a checkpoint, an evaluation) the buffer `hold`s everything that arrives, full or
+not, so no sender waits on a trainer that is not taking; a checkpoint saves its groups (`state`) once
+every generator's marker arrived (`wait_for_markers`), and a resumed run puts them back (`restore`).
 
 Shape legend: B sequences (whole groups), G group size.
 """
@@ -35,6 +40,7 @@ class BufferCounts:
     received: int = 0  # groups put
     dropped_stale: int = 0  # groups found older than max_policy_lag at take time (never trained on)
     taken: int = 0  # groups handed to the trainer
+    markers: int = 0  # checkpoint markers received (one per generator per checkpoint)
 
 
 class RolloutBuffer:
@@ -49,6 +55,7 @@ class RolloutBuffer:
         self._groups: deque[RolloutBatch] = deque()
         self._cond = threading.Condition()
         self._closed = False
+        self._holding = False  # while the run pauses: puts never wait
 
     def __len__(self) -> int:
         with self._cond:
@@ -63,7 +70,7 @@ class RolloutBuffer:
         deadline = time.monotonic() + timeout_s
         with self._cond:
             for group in groups:
-                while len(self._groups) >= self.capacity_groups:
+                while len(self._groups) >= self.capacity_groups and not self._holding:
                     self._wait(deadline, "room in the rollout buffer (the trainer stopped taking)")
                 self._groups.append(group)
                 self.counts.received += 1
@@ -104,6 +111,42 @@ class RolloutBuffer:
                 self._wait(deadline, f"{num_groups - len(taken)} more groups from the generators", wait_until)
             if on_wait is not None:
                 on_wait()
+
+    def hold(self, holding: bool) -> None:
+        """While `holding`, puts never wait for room (the trainer is paused: a checkpoint or an
+        evaluation); the buffer may then exceed its capacity by what the generators had already sent."""
+        with self._cond:
+            self._holding = holding
+            self._cond.notify_all()
+
+    def note_marker(self) -> None:
+        """A generator's checkpoint marker arrived: every batch it sent before is in the buffer."""
+        with self._cond:
+            self.counts.markers += 1
+            self._cond.notify_all()
+
+    def wait_for_markers(self, total: int, *, timeout_s: float) -> None:
+        """Waits until `total` markers arrived in all (cumulative over the run)."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self.counts.markers < total:
+                self._wait(deadline, f"{total - self.counts.markers} generators' checkpoint markers")
+
+    def state(self) -> dict:
+        """What a checkpoint keeps: every buffered group's tensors, in order, and the counts."""
+        with self._cond:
+            return {
+                "groups": [(g.tensors(), g.group_size) for g in self._groups],
+                "counts": vars(self.counts).copy(),
+            }
+
+    def restore(self, state: dict) -> None:
+        """Puts back a checkpoint's groups and counts (before anything else is put)."""
+        with self._cond:
+            self._groups = deque(
+                RolloutBatch(group_size=group_size, **tensors) for tensors, group_size in state["groups"]
+            )
+            self.counts = BufferCounts(**state["counts"])
 
     def close(self) -> None:
         """Wakes every waiter with BufferClosed; later puts and takes fail at once."""

@@ -36,6 +36,20 @@ GENERATOR_METRICS = (
     *GENERATOR_TOTALS,
 )
 _END_OF_STREAM = -1  # a header whose B is this ends a generator's stream (metrics still follow)
+_MARKER = -2  # a header whose B is this is a checkpoint marker (metrics still follow)
+
+
+class _CheckpointMarker:
+    """A generator's checkpoint marker in its rollout stream: everything it sent before is delivered."""
+
+    def __repr__(self) -> str:
+        return "CHECKPOINT_MARKER"
+
+
+# Sent in place of a batch (`send_rollouts(CHECKPOINT_MARKER, ...)`) and received as itself: in stream mode
+# a generator sends it when a checkpoint is due, so that the trainer knows its buffer holds every batch
+# that generator sent before saving its own state (the channel's state is then empty: a consistent cut).
+CHECKPOINT_MARKER = _CheckpointMarker()
 
 _DTYPES = {
     "prompt_ids_BP": torch.int64,
@@ -46,6 +60,7 @@ _DTYPES = {
     "rewards_B": torch.float32,
     "policy_version_B": torch.int64,
     "token_version_BC": torch.int64,
+    "prompt_position_B": torch.int64,
 }
 _HEADER_LEN = 4  # B, P, C, group_size
 
@@ -61,19 +76,22 @@ def _shape(name: str, num_sequences: int, prompt_len: int, completion_len: int) 
 
 
 def send_rollouts(
-    batch: RolloutBatch | None,
+    batch: RolloutBatch | _CheckpointMarker | None,
     metrics: dict[str, float],
     *,
     dst: int,
     group: dist.ProcessGroup | None = None,
 ) -> None:
     """Sends `batch` and its generator metrics to rank `dst` (blocking) over `group` (default: the
-    default group). `batch=None` sends the end of a stream: only the metrics follow."""
-    tensors = batch.tensors() if batch is not None else {}
-    if batch is not None and list(tensors) != list(_DTYPES):
+    default group). `batch=None` sends the end of a stream and `CHECKPOINT_MARKER` a checkpoint marker:
+    only the metrics follow."""
+    tensors = batch.tensors() if isinstance(batch, RolloutBatch) else {}
+    if isinstance(batch, RolloutBatch) and list(tensors) != list(_DTYPES):
         raise ValueError(f"RolloutBatch fields changed: {list(tensors)}; update llamarl.control.channels")
     if batch is None:
         header = torch.tensor([_END_OF_STREAM, 0, 0, 0], dtype=torch.int64)
+    elif batch is CHECKPOINT_MARKER:
+        header = torch.tensor([_MARKER, 0, 0, 0], dtype=torch.int64)
     else:
         header = torch.tensor(
             [
@@ -98,17 +116,18 @@ def send_rollouts(
 
 def recv_rollouts(
     *, src: int, group: dist.ProcessGroup | None = None
-) -> tuple[RolloutBatch | None, dict[str, float]]:
+) -> tuple[RolloutBatch | _CheckpointMarker | None, dict[str, float]]:
     """Receives one batch (and its generator metrics) from rank `src`; raises ChannelError on timeout.
 
-    The batch is None when `src` ended its stream (`send_rollouts(None, ...)`).
+    The batch is None when `src` ended its stream (`send_rollouts(None, ...)`), `CHECKPOINT_MARKER` for
+    a checkpoint marker.
     """
     try:
         header = torch.empty(_HEADER_LEN, dtype=torch.int64)
         dist.recv(header, src, group=group)
         num_sequences, prompt_len, completion_len, group_size = (int(v) for v in header)
         tensors = {}
-        if num_sequences != _END_OF_STREAM:
+        if num_sequences >= 0:
             for name, dtype in _DTYPES.items():
                 shape = _shape(name, num_sequences, prompt_len, completion_len)
                 tensors[name] = torch.empty(shape, dtype=dtype)
@@ -120,6 +139,8 @@ def recv_rollouts(
     metrics = dict(zip(GENERATOR_METRICS, metric_values.tolist(), strict=True))
     if num_sequences == _END_OF_STREAM:
         return None, metrics
+    if num_sequences == _MARKER:
+        return CHECKPOINT_MARKER, metrics
     return RolloutBatch(group_size=group_size, **tensors), metrics
 
 

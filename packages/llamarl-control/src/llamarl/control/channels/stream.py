@@ -2,9 +2,13 @@
 the next ones, and every rank reads the run's few shared counters from the launcher's key-value store.
 
 - `StreamControl`: weight syncs announced (every generator takes part in each), the stop, requests for
-  the weights again (a replaced engine, a failed sync). Cheap reads, polled between decoding steps.
+  the weights again (a replaced engine, a failed sync), pauses (a checkpoint, an evaluation), and
+  admission control: the groups started, taken and trained, so that a generator never starts sampling
+  a group that would be too stale to train on by the time the trainer takes it (as AReaL bounds the
+  versions in flight). Cheap reads, polled between decoding steps.
 - `RolloutOutbox`: a generator's sending side; a thread sends while the generator samples on, and a
   full trainer buffer holds the generator back (back-pressure) while it can still take new weights.
+  Before a checkpoint it sends a marker after what it queued (`mark`).
 - `drain_into_buffer`: the trainer's receiving side of one generator's stream, into the
   `RolloutBuffer` (`llamarl.control.channels.buffer`).
 
@@ -13,16 +17,19 @@ Each takes its transport as a small object or callable, so tests run both ends i
 
 from __future__ import annotations
 
+import json
 import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Literal, Protocol
 
 from llamarl.control.channels.buffer import BufferClosed, RolloutBuffer
+from llamarl.control.channels.rollouts import CHECKPOINT_MARKER
 from llamarl.exec.types import RolloutBatch
 
-__all__ = ["KeyValueStore", "RolloutOutbox", "StreamControl", "drain_into_buffer"]
+__all__ = ["KeyValueStore", "Pause", "RolloutOutbox", "StreamControl", "drain_into_buffer"]
 
 
 class KeyValueStore(Protocol):
@@ -37,15 +44,30 @@ class KeyValueStore(Protocol):
     def add(self, key: str, amount: int) -> int: ...
 
 
+@dataclass(frozen=True)
+class Pause:
+    """A pause of every rank in stream mode, requested by the trainer after the step that made
+    `policy_version`: a checkpoint, or an evaluation inside the loop."""
+
+    number: int  # 1, 2, ... in the order requested
+    kind: Literal["checkpoint", "eval"]
+    policy_version: int
+
+
 class StreamControl:
     """Counters every rank reads through a key-value store: how many weight syncs the trainer started
-    (every generator takes part in each), whether the run is over, and how many times a generator
-    asked for the current weights again (its engine was replaced, or a sync failed half-way).
+    (every generator takes part in each), whether the run is over, how many times a generator asked
+    for the current weights again (its engine was replaced, or a sync failed half-way), the pauses
+    requested, and the groups admitted, consumed and the batches taken (admission control).
     Generators poll them between decoding steps, so the reads must be cheap."""
 
     _SYNCS = "stream/syncs_announced"
     _STOP = "stream/stop"
     _WANTED = "stream/weights_wanted"
+    _PAUSES = "stream/pauses"
+    _ADMITTED = "stream/groups_admitted"  # groups generators started (and will send), cumulative
+    _CONSUMED = "stream/groups_consumed"  # groups the trainer took or dropped as stale, cumulative
+    _TAKEN = "stream/batches_taken"  # batches the trainer took: the version the next one trains at
 
     def __init__(self, store: KeyValueStore) -> None:
         self.store = store
@@ -72,17 +94,81 @@ class StreamControl:
     def stopped(self) -> bool:
         return self.store.check([self._STOP])
 
+    # pauses ---------------------------------------------------------------------------------------
+
+    def request_pause(self, kind: Literal["checkpoint", "eval"], policy_version: int) -> Pause:
+        """Trainer: every generator should pause (between two decoding steps) for `kind`."""
+        number = self.store.add(self._PAUSES, 0) + 1
+        self.store.set(f"{self._PAUSES}/{number}", json.dumps([kind, policy_version]))
+        self.store.add(self._PAUSES, 1)  # after the details: a reader that sees the count finds them
+        return Pause(number, kind, policy_version)
+
+    def pauses_requested(self) -> int:
+        return self.store.add(self._PAUSES, 0)
+
+    def pause(self, number: int) -> Pause:
+        kind, version = json.loads(self.store.get(f"{self._PAUSES}/{number}"))
+        return Pause(number, kind, int(version))
+
+    # admission control ----------------------------------------------------------------------------
+
+    def restore_counts(self, counts: dict[str, int]) -> None:
+        """Trainer, on resume: the admission counters as a checkpoint saved them (`counts()`)."""
+        for key in (self._ADMITTED, self._CONSUMED, self._TAKEN):
+            self.store.add(key, int(counts[key]) - self.store.add(key, 0))
+
+    def counts(self) -> dict[str, int]:
+        """The admission counters (for a checkpoint: every generator is paused, so they hold still)."""
+        return {key: self.store.add(key, 0) for key in (self._ADMITTED, self._CONSUMED, self._TAKEN)}
+
+    def admit(self, groups: int, *, version: int, prompts_per_step: int, max_policy_lag: int) -> bool:
+        """Generator: reserves `groups` new groups if the last of them would still be trained within
+        `max_policy_lag` of `version` (the weights that would sample its first token); False (and
+        nothing reserved) if not yet.
+
+        The trainer takes groups first in, first out, `prompts_per_step` per step, and the batch it
+        takes next trains at version `taken`. With `ahead` groups admitted and not yet consumed, the
+        last group reserved now is trained at `taken + (ahead + groups - 1) // prompts_per_step`; its
+        lag must stay within `max_policy_lag` (AReaL's bound on the versions in flight).
+        """
+        admitted = self.store.add(self._ADMITTED, groups)
+        ahead = admitted - groups - self.store.add(self._CONSUMED, 0)
+        trained_at = self.store.add(self._TAKEN, 0) + (ahead + groups - 1) // prompts_per_step
+        if trained_at - version <= max_policy_lag:
+            return True
+        self.store.add(self._ADMITTED, -groups)
+        return False
+
+    def release(self, groups: int) -> None:
+        """Generator: `groups` admitted groups will never be sent (dynamic sampling filtered them)."""
+        self.store.add(self._ADMITTED, -groups)
+
+    def consumed(self, groups: int) -> None:
+        """Trainer: took a batch; `groups` groups left the buffer for it (taken or dropped as stale)."""
+        self.store.add(self._CONSUMED, groups)
+        self.store.add(self._TAKEN, 1)
+
+    def progress(self) -> int:
+        """Batches the trainer took so far (a generator waiting for admission waits on this)."""
+        return self.store.add(self._TAKEN, 0)
+
 
 class RolloutOutbox:
     """A generator's sending side in stream mode: a thread sends finished batches while the generator
     samples the next one. `put` waits while one batch is already queued (back-pressure from a full
     trainer buffer), calling `while_waiting` so the generator can still take new weights meanwhile."""
 
-    def __init__(self, send: Callable[[RolloutBatch | None, dict[str, float]], None], *, timeout_s: float):
+    def __init__(
+        self, send: Callable[[RolloutBatch | object | None, dict[str, float]], None], *, timeout_s: float
+    ):
         self._send = send
         self.timeout_s = timeout_s
-        self._queue: queue.Queue[tuple[RolloutBatch | None, dict[str, float]]] = queue.Queue(maxsize=1)
+        self._queue: queue.Queue[tuple[RolloutBatch | object | None, dict[str, float]]] = queue.Queue(
+            maxsize=1
+        )
         self._error: BaseException | None = None
+        self._markers_sent = 0
+        self._sent = threading.Condition()
         self._thread = threading.Thread(target=self._loop, name="rollout-outbox", daemon=True)
         self._thread.start()
 
@@ -91,11 +177,37 @@ class RolloutOutbox:
             batch, metrics = self._queue.get()
             try:
                 self._send(batch, metrics)
-            except BaseException as e:  # re-raised in the generator's thread by put/close
+            except BaseException as e:  # re-raised in the generator's thread by put/close/mark
                 self._error = e
+                with self._sent:
+                    self._sent.notify_all()
                 return
+            if batch is CHECKPOINT_MARKER:
+                with self._sent:
+                    self._markers_sent += 1
+                    self._sent.notify_all()
             if batch is None:
                 return
+
+    def mark(self, metrics: dict[str, float]) -> None:
+        """Sends a checkpoint marker after everything queued, and waits until it is sent: the trainer
+        then holds every batch this generator handed over (its buffer takes them all while paused)."""
+        deadline = time.monotonic() + self.timeout_s
+        with self._sent:
+            target = self._markers_sent + 1
+        while True:
+            self._raise_error()
+            try:
+                self._queue.put((CHECKPOINT_MARKER, metrics), timeout=0.05)
+                break
+            except queue.Full:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the trainer took no rollouts for {self.timeout_s:.0f} s") from None
+        with self._sent:
+            while self._markers_sent < target:
+                self._raise_error()
+                if not self._sent.wait(max(0.0, deadline - time.monotonic())):
+                    raise TimeoutError("the checkpoint marker was not delivered in time")
 
     def put(
         self, batch: RolloutBatch, metrics: dict[str, float], *, while_waiting: Callable[[], None]
@@ -136,7 +248,8 @@ def drain_into_buffer(
     """Trainer side of one generator's stream: receive batches into `buffer` until its end marker.
 
     Batches arriving after the buffer closed (the run is over) are received and discarded, so the
-    generator's sending thread never blocks. Returns the number of batches discarded.
+    generator's sending thread never blocks; checkpoint markers are counted in the buffer. Returns the
+    number of groups discarded.
     """
     discarded = 0
     while True:
@@ -144,7 +257,10 @@ def drain_into_buffer(
         on_metrics(metrics)
         if batch is None:
             return discarded
+        if batch is CHECKPOINT_MARKER:
+            buffer.note_marker()
+            continue
         try:
             buffer.put(batch, timeout_s=timeout_s)
         except BufferClosed:
-            discarded += 1
+            discarded += batch.num_sequences // batch.group_size
