@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import time
@@ -186,6 +187,81 @@ def test_a_corrupted_bucket_is_refused(transport: str, direct_min_bytes: int) ->
     assert blamed in (None, 1)
     assert "checksum mismatch" in got["message"] and got["peer"] == 0 and got["bucket"] is not None, got
     assert got["held"] is None  # the receiver does not claim a version it did not get whole
+
+
+class _FlipOneByteInTransit:
+    """A sending side's process group that flips one byte of one payload on its way (the sender's own
+    memory untouched): the `index`-th message of at least `min_bytes`, at byte `len - back` of it."""
+
+    def __init__(self, pg, *, index: int, back: int, min_bytes: int = 1024) -> None:
+        self._pg, self._index, self._back, self._min_bytes = pg, index, back, min_bytes
+        self._large = 0
+
+    def send(self, tensors, dst, tag=0):
+        (tensor,) = tensors
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes >= self._min_bytes:
+            if self._large == self._index:
+                tensor = tensor.clone()
+                tensor.view(-1).view(torch.uint8)[nbytes - self._back] ^= 0x10
+            self._large += 1
+        return self._pg.send([tensor], dst, tag)
+
+    def recv(self, tensors, src, tag=0):
+        return self._pg.recv(tensors, src, tag)
+
+
+def _flipped_byte_worker(rank: int, world_size: int, rdv, transport: str, direct_min_bytes: int):
+    from llamarl.comm.buckets import TRAILER_BYTES
+
+    torch.manual_seed(0)
+    named = {"w": torch.randn(256, 256), "b": torch.randn(64)}
+    kwargs = transport_kwargs(transport)
+    if rank == 0:
+        inner = kwargs.get("process_group_factory") or torch.distributed.ProcessGroupGloo
+        # A byte in the middle of the second bucket's payload: packed buckets carry their trailer
+        # after it, direct ones send it later in their stream's manifest.
+        payload_bytes = 64 << 10
+        back = payload_bytes // 2 + (TRAILER_BYTES if direct_min_bytes else 0)
+
+        def flipping(store, rank_, world_size_, timeout):
+            return _FlipOneByteInTransit(inner(store, rank_, world_size_, timeout), index=1, back=back)
+
+        group = WeightSyncGroup(
+            host=rdv.host, port=rdv.port, rank=rank, world_size=world_size, timeout_s=10.0,
+            process_group_factory=flipping,
+        )  # fmt: skip
+        sender = WeightSender(
+            group, named, bucket_bytes=payload_bytes, direct_min_bytes=direct_min_bytes, checksum_stride=1
+        )
+        original = {k: v.clone() for k, v in named.items()}
+        with contextlib.suppress(WeightSyncError):  # the receiver refused a bucket, dropped the group
+            sender.send(1)
+        group.get("test/receiver-done", timeout_s=30)  # host the store until the receiver is done
+        return {"untouched": all(torch.equal(named[k], original[k]) for k in named)}
+    group = _group(rank, world_size, rdv, transport, timeout_s=10.0)
+    receiver = WeightReceiver(group, {k: torch.zeros_like(v) for k, v in named.items()})
+    try:
+        receiver.receive()
+    except WeightSyncError as exc:
+        return {"peer": exc.peer, "bucket": exc.bucket, "message": str(exc), "held": receiver.policy_version}
+    finally:
+        group.put("test/receiver-done", True)
+    raise AssertionError("a bucket whose payload changed in transit was accepted")
+
+
+@pytest.mark.parametrize("direct_min_bytes", [0, 1 << 30], ids=["in-place", "packed"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_payload_byte_flipped_in_transit_is_refused_naming_its_bucket(
+    transport: str, direct_min_bytes: int
+) -> None:
+    """The checksum covers the bytes that travel, not only the trailer: one bit of bucket 1's payload
+    changed on the wire, and the receiver refuses that bucket by its index and holds no version."""
+    sender, got = run_distributed(_flipped_byte_worker, 2, transport, direct_min_bytes, timeout_s=60)
+    assert sender["untouched"]
+    assert got["peer"] == 0 and got["bucket"] == 1, got
+    assert "checksum mismatch in bucket 1 of stream" in got["message"], got["message"]
+    assert got["held"] is None
 
 
 def _receiver_then_die(host: str, port: int, named: dict, transport: str) -> None:
