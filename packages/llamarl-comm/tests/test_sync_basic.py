@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from llamarl.comm import WeightReceiver, WeightSender, WeightSyncError, WeightSyncGroup
-from llamarl.comm.testing import TRANSPORTS, run_distributed, transport_kwargs
+from llamarl.comm.testing import TRANSPORTS, run_distributed, transport_kwargs, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -67,9 +67,11 @@ def _sync_worker(rank: int, world_size: int, rdv, transport: str, bucket_bytes: 
                 # and a parameter may move to new memory (``.data`` swapped, as FSDP2 does with shards):
                 # the sender's cached views of the old memory must not be sent
                 model.big.weight.data = model.big.weight.data * 2.0
-        time.sleep(0.5)  # hosts the store: let receivers publish their held versions
-        held = sender.held_versions()
-        assert held == {1: 4, 2: 4}, held
+        # Each receiver reports the version it holds once its receive returned, which may be after this
+        # send returned: wait for both reports (this rank hosts the store they go to).
+        wait_until(
+            sender.held_versions, lambda held: held == {1: 4, 2: 4}, timeout_s=30, what="both held versions"
+        )
         return out
     model = _model(seed=100 + rank)  # different weights: must be overwritten
     receiver = WeightReceiver(group, model, src_rank=0)
@@ -274,16 +276,22 @@ def _receiver_then_die(host: str, port: int, named: dict, transport: str) -> Non
 
 def _dead_receiver_worker(rank: int, world_size: int, rdv, transport: str, mode: str):
     named = {"w": torch.ones(64, 64), "b": torch.ones(64)}
+    receiver_gone = os.path.join(rdv.tmpdir, "receiver_gone")
+    sender_done = os.path.join(rdv.tmpdir, "sender_done")
     if rank == 0:
         group = _group(rank, world_size, rdv, transport, timeout_s=4.0)
         sender = WeightSender(group, named, bucket_bytes=4096)
-        time.sleep(0.5)  # let the receiver die / stall
+        if mode == "killed":  # send once the receiver is dead (its parent saw it exit)
+            wait_until(lambda: os.path.exists(receiver_gone), timeout_s=30, what="the receiver's exit")
         start = time.monotonic()
         try:
             sender.send(1)
+            result = None
         except WeightSyncError as exc:
-            return {"peer": exc.peer, "message": str(exc), "seconds": time.monotonic() - start}
-        raise AssertionError("send to a dead receiver succeeded")
+            result = {"peer": exc.peer, "message": str(exc), "seconds": time.monotonic() - start}
+        open(sender_done, "w").close()
+        assert result is not None, "send to a dead receiver succeeded"
+        return result
     if mode == "killed":
         # A real process that dies: forked from this rank, so no second torch import.
         child = mp.get_context("fork").Process(
@@ -291,10 +299,12 @@ def _dead_receiver_worker(rank: int, world_size: int, rdv, transport: str, mode:
         )
         child.start()
         child.join(timeout=30)
+        open(receiver_gone, "w").close()
         return child.exitcode
     group = _group(rank, world_size, rdv, transport, timeout_s=4.0)
     WeightReceiver(group, {k: torch.zeros_like(v) for k, v in named.items()})
-    time.sleep(8.0)  # alive but never receives: the sender must not wait past its deadline
+    # Alive but never receives, until the sender gave up: it must not wait past its deadline.
+    wait_until(lambda: os.path.exists(sender_done), timeout_s=30, what="the sender's error")
     return None
 
 
