@@ -98,7 +98,7 @@ def _rank_main(
         if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
             # torch elastic restarted the ranks after a failure: continue from the latest checkpoint.
             config = replace_in(config, **{"checkpoint.resume": True})
-        torch.set_num_threads(config.ranks.threads_per_rank or _default_threads(config))
+        torch.set_num_threads(rank_threads(config))
         _quiet_libraries()
         _init_default_group(config.launch.timeout_s)
         summary = run_rank(config, train_examples, eval_examples)  # closes its side, also on failure
@@ -151,6 +151,12 @@ def _quiet_libraries() -> None:
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
+
+
+def rank_threads(config: RunConfig) -> int:
+    """The CPU threads each rank computes with: `ranks.threads_per_rank` when set, else a share of the
+    cores (`_default_threads`)."""
+    return config.ranks.threads_per_rank or _default_threads(config)
 
 
 def _default_threads(config: RunConfig) -> int:
