@@ -202,8 +202,9 @@ class Side:
         return self.summarize(run_s=time.perf_counter() - run_start, loop_s=loop_s, peak_rss_mb=peak_rss_mb)
 
     def loop_clock(self) -> float:
-        """Seconds on a clock that stops while evaluating inside the loop: step times are training only."""
-        return time.perf_counter() - self._eval_s_in_loop
+        """Seconds on a clock that stops while evaluating inside the loop: step times are training only.
+        (The timeline's clock, less the in-loop evaluations' spans: the trace and the metrics agree.)"""
+        return self.timeline.now() - self._eval_s_in_loop
 
     # ----------------------------------------------------------------------------------------------
     # lock step
@@ -262,10 +263,9 @@ class Side:
     def _maybe_evaluate(self, tick: int) -> None:
         """Evaluates every `eval.every` ticks inside the training loop (learning curves)."""
         every = self.config.eval.every
-        if every and tick > 0 and tick % every == 0:
-            start = time.perf_counter()
-            self.evaluate(f"tick {tick}")
-            self._eval_s_in_loop += time.perf_counter() - start
+        if every and tick > 0 and tick % every == 0 and self.evaluate(f"tick {tick}") is not None:
+            span = self.timeline.last("eval")  # the whole evaluation, recording its result included
+            self._eval_s_in_loop += span.end - span.start
 
     def evaluate(self, when: str) -> EvalResult | None:
         """Accuracy on the held-out questions, split across generators; None when eval.size is 0.
@@ -285,12 +285,12 @@ class Side:
             for tensor in (greedy_Q, sampled_Q):
                 dist.all_reduce(tensor)
             dist.all_reduce(version, op=dist.ReduceOp.MAX)
-        result = EvalResult(
-            policy_version=int(version),
-            greedy_Q=greedy_Q.tolist(),
-            sampled_Q=sampled_Q.tolist() if self.config.eval.samples else None,
-        )
-        self.record_evaluation(result, when)
+            result = EvalResult(
+                policy_version=int(version),
+                greedy_Q=greedy_Q.tolist(),
+                sampled_Q=sampled_Q.tolist() if self.config.eval.samples else None,
+            )
+            self.record_evaluation(result, when)
         return result
 
     # ----------------------------------------------------------------------------------------------
