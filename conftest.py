@@ -2,9 +2,9 @@
 green with one; every test of this workspace runs here, the real-engine ones included.
 
 pytest loads this file for every test under the workspace root (the root is the rootdir: pyproject.toml
-holds the pytest settings), and mutmut's runs over a package's copy of its tests reach it the same way.
-A skip is turned into a failure of that test, and a module or class skipped at collection into a failed
-collection, each naming the reason given for the skip, so the run's exit status is non-zero.
+holds the pytest settings). A skip is turned into a failure of that test, and a module or class skipped
+at collection into a failed collection, each naming the reason given for the skip, so the run's exit
+status is non-zero.
 """
 
 from __future__ import annotations
