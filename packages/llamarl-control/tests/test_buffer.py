@@ -4,7 +4,9 @@ deadline, never on a sleep."""
 
 from __future__ import annotations
 
+import itertools
 import threading
+import time
 import types
 
 import pytest
@@ -62,6 +64,16 @@ def run_in_thread(fn) -> tuple[threading.Thread, dict]:
     return thread, out
 
 
+def test_a_buffer_needs_room_for_a_group_and_a_lag_of_zero_or_more():
+    for capacity, lag in ((0, 1), (1, -1)):
+        with pytest.raises(ValueError) as error:
+            RolloutBuffer(capacity_groups=capacity, max_policy_lag=lag)
+        assert str(error.value) == "capacity_groups must be >= 1 and max_policy_lag >= 0"
+    on_policy = RolloutBuffer(capacity_groups=1, max_policy_lag=0)  # only the current version's samples
+    on_policy.put(groups(1, versions=(2,)), timeout_s=WAIT_S)
+    assert tags(on_policy.take(1, current_version=2, timeout_s=WAIT_S)) == [1]
+
+
 def test_groups_come_out_whole_in_the_order_they_went_in():
     buffer = RolloutBuffer(capacity_groups=8, max_policy_lag=1)
     buffer.put(groups(1, 2, 3, lengths=(1, 3, 2)), timeout_s=WAIT_S)
@@ -104,8 +116,9 @@ def test_a_full_buffer_holds_a_put_back_until_a_take_makes_room():
     buffer = RolloutBuffer(capacity_groups=2, max_policy_lag=1)
     buffer.put(groups(1, 2), timeout_s=WAIT_S)
     # Back-pressure with a deadline: the put gives up, adding nothing.
-    with pytest.raises(BufferTimeout, match="room in the rollout buffer"):
+    with pytest.raises(BufferTimeout) as error:
         buffer.put(groups(3), timeout_s=0.05)
+    assert str(error.value) == "waited too long for room in the rollout buffer (the trainer stopped taking)"
     assert len(buffer) == 2 and buffer.counts.received == 2
     # A put that waits goes in as soon as a take makes room, behind the groups that were there.
     thread, out = run_in_thread(lambda: buffer.put(groups(4), timeout_s=WAIT_S))
@@ -127,8 +140,9 @@ def test_a_take_waits_for_the_groups_it_needs():
 def test_a_take_that_times_out_half_way_gives_its_groups_back_in_order():
     buffer = RolloutBuffer(capacity_groups=4, max_policy_lag=1)
     buffer.put(groups(1, 2, versions=(0, 1)), timeout_s=WAIT_S)
-    with pytest.raises(BufferTimeout, match="1 more groups from the generators"):
+    with pytest.raises(BufferTimeout) as error:
         buffer.take(3, current_version=1, timeout_s=0.05)
+    assert str(error.value) == "waited too long for 1 more groups from the generators"
     assert len(buffer) == 2 and buffer.counts.taken == 0
     assert tags(buffer.take(2, current_version=1, timeout_s=WAIT_S)) == [1, 2]
 
@@ -158,12 +172,37 @@ def test_close_wakes_every_waiter_and_later_waits_fail_at_once():
         thread.join(WAIT_S)
         assert not thread.is_alive()
     assert isinstance(took.get("error"), BufferClosed), took
+    assert str(took["error"]) == "rollout buffer closed while waiting for 1 more groups from the generators"
     assert isinstance(put.get("error"), BufferClosed), put
     assert len(full) == 1 and full.counts.received == 1
     # After the close, a put or take that would wait fails at once; a take that got part of what it
     # asked for gives it back.
-    with pytest.raises(BufferClosed, match="room in the rollout buffer"):
+    with pytest.raises(BufferClosed) as error:
         full.put(groups(3), timeout_s=WAIT_S)
-    with pytest.raises(BufferClosed, match="1 more groups"):
+    assert str(error.value) == (
+        "rollout buffer closed while waiting for room in the rollout buffer (the trainer stopped taking)"
+    )
+    with pytest.raises(BufferClosed) as error:
         full.take(2, current_version=0, timeout_s=WAIT_S)
+    assert str(error.value) == "rollout buffer closed while waiting for 1 more groups from the generators"
     assert len(full) == 1 and full.counts.taken == 0
+
+
+def test_a_waiting_take_calls_on_wait_every_poll_and_takes_what_it_puts():
+    """While a take waits it calls `on_wait` every `poll_s`, without the buffer's lock: there the trainer
+    answers requests for weights. Here the third call delivers the group the take waits for."""
+    buffer = RolloutBuffer(capacity_groups=2, max_policy_lag=1)
+    calls: list[int] = []
+    times: list[float] = []
+
+    def on_wait() -> None:
+        calls.append(len(buffer))  # takes the lock: it would deadlock were the lock held
+        times.append(time.monotonic())
+        if len(calls) == 3:
+            buffer.put(groups(7), timeout_s=WAIT_S)
+
+    # The deadline is far beyond three polls: a take that waited for it instead would time out first.
+    taken = buffer.take(1, current_version=0, timeout_s=5.0, on_wait=on_wait, poll_s=0.05)
+    assert tags(taken) == [7] and calls == [0, 0, 0]
+    # Between two calls the take waited a poll (a lower bound: no machine is too fast for it).
+    assert all(later - earlier >= 0.04 for earlier, later in itertools.pairwise(times)), times
