@@ -8,7 +8,8 @@ until the parent goes away (end of file on the socket). It imports only the stan
 not imported.
 
 In-flight requests: `generate` steps the engine itself and, between two engine steps, answers the few
-requests that may arrive while it runs (`NESTED_METHODS`: a weight sync, a version query, an abort).
+requests that may arrive while it runs (`NESTED_METHODS`: a weight sync, a version or progress query,
+an abort).
 Replies name their request because a nested request's reply and the generate's own reply can cross
 (the generate may finish just as the client sends a sync); the client sorts them by that name.
 
@@ -34,7 +35,7 @@ def log(msg: str) -> None:
 
 # Requests the engine answers while a generate is in flight (between two engine steps); any other is an
 # error there. "close" ends the generate (its requests aborted) and then the process.
-NESTED_METHODS = ("receive_weights", "weight_version", "abort", "close")
+NESTED_METHODS = ("receive_weights", "weight_version", "progress", "abort", "close")
 
 
 class GenerateAborted(Exception):
@@ -86,6 +87,8 @@ class Engine:
         # A sync taken with requests in flight owes a prefix-cache reset: vLLM refuses one while requests
         # run, so it runs once they are done (end of generate).
         self._reset_owed_for: int | None = None
+        # The generate in flight's completions: tokens sampled so far and whether each finished.
+        self._progress: tuple[list[list[int]], list[bool]] = ([], [])
 
     def generate(
         self,
@@ -147,6 +150,7 @@ class Engine:
         arrivals: list[list[tuple[int, int | None]]] = [[] for _ in range(num)]
         finished = [False] * num
         added: list[str] = []
+        self._progress = (token_ids, finished)
         self._in_flight = True
         try:
             raw = [TokensPrompt(prompt_token_ids=p) for p in prompts]
@@ -177,6 +181,7 @@ class Engine:
             added = []  # every request finished: nothing to abort
         finally:
             self._in_flight = False
+            self._progress = ([], [])
             if added:  # aborted or failed half way: the requests must not run into the next call
                 engine.abort_request(added)
             self._reset_owed_prefix_cache()
@@ -215,6 +220,12 @@ class Engine:
                 raise RuntimeError(
                     "the weight sync taken during this generate failed; its requests were aborted"
                 )
+
+    def progress(self) -> dict[str, list]:
+        """How far the generate in flight got, as of the last engine step: the tokens each completion
+        sampled so far and whether it finished (empty lists outside a generate)."""
+        token_ids, finished = self._progress
+        return {"tokens": [len(ids) for ids in token_ids], "finished": list(finished)}
 
     def abort(self) -> None:
         """Abandons a generate in flight; outside one (it finished first) there is nothing to do."""
