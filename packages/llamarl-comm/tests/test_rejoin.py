@@ -6,19 +6,22 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import time
+from functools import partial
 
 import pytest
 import torch
 
 from llamarl.comm import WeightReceiver, WeightSender, WeightSyncError, WeightSyncGroup
-from llamarl.comm.testing import TRANSPORTS, run_distributed, transport_kwargs
+from llamarl.comm.testing import TRANSPORTS, run_distributed, transport_kwargs, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
 TIMEOUT_S = 10.0
 
 
-def _engine_process(host: str, port: int, out_path: str, die_after: bool, transport: str) -> None:
+def _engine_process(
+    host: str, port: int, tmpdir: str, out_path: str, die_after: bool, transport: str
+) -> None:
     """One life of the engine at rank 1: join (or rejoin), receive once, save what it got."""
     group = WeightSyncGroup(
         host=host, port=port, rank=1, world_size=2, timeout_s=TIMEOUT_S, **transport_kwargs(transport)
@@ -29,7 +32,8 @@ def _engine_process(host: str, port: int, out_path: str, die_after: bool, transp
     torch.save({"version": version, "rejoined": receiver.rejoined, "weights": weights}, out_path)
     if die_after:
         os._exit(0)  # a crash: no goodbye to anyone
-    time.sleep(1.0)  # let the trainer read the held version before the store connection closes
+    # Stay in the group until the trainer has read the version this life reported holding.
+    wait_until(lambda: os.path.exists(os.path.join(tmpdir, "held_read")), timeout_s=60, what="the trainer")
     os._exit(0)
 
 
@@ -48,8 +52,8 @@ def _worker(rank: int, world_size: int, rdv, transport: str):
         out = {"sent": []}
         sender.send(1)
         out["sent"].append({k: v.clone() for k, v in weights.items()})
-        while not os.path.exists(os.path.join(rdv.tmpdir, "first_life_over")):
-            time.sleep(0.05)
+        first_life_over = os.path.join(rdv.tmpdir, "first_life_over")
+        wait_until(lambda: os.path.exists(first_life_over), timeout_s=90, what="the engine's first life")
         for t in weights.values():
             t.add_(1.0)
         start = time.monotonic()
@@ -65,22 +69,27 @@ def _worker(rank: int, world_size: int, rdv, transport: str):
             t.mul_(3.0)
         sender.send(3)  # re-forms the group with the restarted engine, then sends the latest weights
         out["sent"].append({k: v.clone() for k, v in weights.items()})
-        time.sleep(0.3)
-        out["held"] = sender.held_versions()
+        # The restarted engine reports the version it holds once its receive returned: wait for that.
+        out["held"] = wait_until(
+            sender.held_versions, lambda held: held == {1: 3}, timeout_s=30, what="the held version 3"
+        )
+        open(os.path.join(rdv.tmpdir, "held_read"), "w").close()
         return out
     fork = mp.get_context("fork")  # real processes, without a second torch import
+    sync2_over = os.path.join(rdv.tmpdir, "sync2_over")
     lives = []
     for life, die_after in enumerate((True, False)):
         path = os.path.join(rdv.tmpdir, f"life{life}.pt")
-        proc = fork.Process(target=_engine_process, args=(rdv.host, rdv.port, path, die_after, transport))
+        proc = fork.Process(
+            target=_engine_process, args=(rdv.host, rdv.port, rdv.tmpdir, path, die_after, transport)
+        )
         proc.start()
         proc.join(timeout=90)
         assert proc.exitcode == 0, proc.exitcode
         lives.append(torch.load(path))
         if life == 0:
             open(os.path.join(rdv.tmpdir, "first_life_over"), "w").close()
-            while not os.path.exists(os.path.join(rdv.tmpdir, "sync2_over")):
-                time.sleep(0.05)
+            wait_until(partial(os.path.exists, sync2_over), timeout_s=90, what="the trainer's failed sync 2")
     return lives
 
 

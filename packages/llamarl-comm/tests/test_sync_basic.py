@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import time
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from llamarl.comm import WeightReceiver, WeightSender, WeightSyncError, WeightSyncGroup
-from llamarl.comm.testing import TRANSPORTS, run_distributed, transport_kwargs
+from llamarl.comm.testing import TRANSPORTS, run_distributed, transport_kwargs, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -66,9 +67,11 @@ def _sync_worker(rank: int, world_size: int, rdv, transport: str, bucket_bytes: 
                 # and a parameter may move to new memory (``.data`` swapped, as FSDP2 does with shards):
                 # the sender's cached views of the old memory must not be sent
                 model.big.weight.data = model.big.weight.data * 2.0
-        time.sleep(0.5)  # hosts the store: let receivers publish their held versions
-        held = sender.held_versions()
-        assert held == {1: 4, 2: 4}, held
+        # Each receiver reports the version it holds once its receive returned, which may be after this
+        # send returned: wait for both reports (this rank hosts the store they go to).
+        wait_until(
+            sender.held_versions, lambda held: held == {1: 4, 2: 4}, timeout_s=30, what="both held versions"
+        )
         return out
     model = _model(seed=100 + rank)  # different weights: must be overwritten
     receiver = WeightReceiver(group, model, src_rank=0)
@@ -188,6 +191,81 @@ def test_a_corrupted_bucket_is_refused(transport: str, direct_min_bytes: int) ->
     assert got["held"] is None  # the receiver does not claim a version it did not get whole
 
 
+class _FlipOneByteInTransit:
+    """A sending side's process group that flips one byte of one payload on its way (the sender's own
+    memory untouched): the `index`-th message of at least `min_bytes`, at byte `len - back` of it."""
+
+    def __init__(self, pg, *, index: int, back: int, min_bytes: int = 1024) -> None:
+        self._pg, self._index, self._back, self._min_bytes = pg, index, back, min_bytes
+        self._large = 0
+
+    def send(self, tensors, dst, tag=0):
+        (tensor,) = tensors
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes >= self._min_bytes:
+            if self._large == self._index:
+                tensor = tensor.clone()
+                tensor.view(-1).view(torch.uint8)[nbytes - self._back] ^= 0x10
+            self._large += 1
+        return self._pg.send([tensor], dst, tag)
+
+    def recv(self, tensors, src, tag=0):
+        return self._pg.recv(tensors, src, tag)
+
+
+def _flipped_byte_worker(rank: int, world_size: int, rdv, transport: str, direct_min_bytes: int):
+    from llamarl.comm.buckets import TRAILER_BYTES
+
+    torch.manual_seed(0)
+    named = {"w": torch.randn(256, 256), "b": torch.randn(64)}
+    kwargs = transport_kwargs(transport)
+    if rank == 0:
+        inner = kwargs.get("process_group_factory") or torch.distributed.ProcessGroupGloo
+        # A byte in the middle of the second bucket's payload: packed buckets carry their trailer
+        # after it, direct ones send it later in their stream's manifest.
+        payload_bytes = 64 << 10
+        back = payload_bytes // 2 + (TRAILER_BYTES if direct_min_bytes else 0)
+
+        def flipping(store, rank_, world_size_, timeout):
+            return _FlipOneByteInTransit(inner(store, rank_, world_size_, timeout), index=1, back=back)
+
+        group = WeightSyncGroup(
+            host=rdv.host, port=rdv.port, rank=rank, world_size=world_size, timeout_s=10.0,
+            process_group_factory=flipping,
+        )  # fmt: skip
+        sender = WeightSender(
+            group, named, bucket_bytes=payload_bytes, direct_min_bytes=direct_min_bytes, checksum_stride=1
+        )
+        original = {k: v.clone() for k, v in named.items()}
+        with contextlib.suppress(WeightSyncError):  # the receiver refused a bucket, dropped the group
+            sender.send(1)
+        group.get("test/receiver-done", timeout_s=30)  # host the store until the receiver is done
+        return {"untouched": all(torch.equal(named[k], original[k]) for k in named)}
+    group = _group(rank, world_size, rdv, transport, timeout_s=10.0)
+    receiver = WeightReceiver(group, {k: torch.zeros_like(v) for k, v in named.items()})
+    try:
+        receiver.receive()
+    except WeightSyncError as exc:
+        return {"peer": exc.peer, "bucket": exc.bucket, "message": str(exc), "held": receiver.policy_version}
+    finally:
+        group.put("test/receiver-done", True)
+    raise AssertionError("a bucket whose payload changed in transit was accepted")
+
+
+@pytest.mark.parametrize("direct_min_bytes", [0, 1 << 30], ids=["in-place", "packed"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_payload_byte_flipped_in_transit_is_refused_naming_its_bucket(
+    transport: str, direct_min_bytes: int
+) -> None:
+    """The checksum covers the bytes that travel, not only the trailer: one bit of bucket 1's payload
+    changed on the wire, and the receiver refuses that bucket by its index and holds no version."""
+    sender, got = run_distributed(_flipped_byte_worker, 2, transport, direct_min_bytes, timeout_s=60)
+    assert sender["untouched"]
+    assert got["peer"] == 0 and got["bucket"] == 1, got
+    assert "checksum mismatch in bucket 1 of stream" in got["message"], got["message"]
+    assert got["held"] is None
+
+
 def _receiver_then_die(host: str, port: int, named: dict, transport: str) -> None:
     group = WeightSyncGroup(
         host=host, port=port, rank=1, world_size=2, timeout_s=4.0, **transport_kwargs(transport)
@@ -198,16 +276,22 @@ def _receiver_then_die(host: str, port: int, named: dict, transport: str) -> Non
 
 def _dead_receiver_worker(rank: int, world_size: int, rdv, transport: str, mode: str):
     named = {"w": torch.ones(64, 64), "b": torch.ones(64)}
+    receiver_gone = os.path.join(rdv.tmpdir, "receiver_gone")
+    sender_done = os.path.join(rdv.tmpdir, "sender_done")
     if rank == 0:
         group = _group(rank, world_size, rdv, transport, timeout_s=4.0)
         sender = WeightSender(group, named, bucket_bytes=4096)
-        time.sleep(0.5)  # let the receiver die / stall
+        if mode == "killed":  # send once the receiver is dead (its parent saw it exit)
+            wait_until(lambda: os.path.exists(receiver_gone), timeout_s=30, what="the receiver's exit")
         start = time.monotonic()
         try:
             sender.send(1)
+            result = None
         except WeightSyncError as exc:
-            return {"peer": exc.peer, "message": str(exc), "seconds": time.monotonic() - start}
-        raise AssertionError("send to a dead receiver succeeded")
+            result = {"peer": exc.peer, "message": str(exc), "seconds": time.monotonic() - start}
+        open(sender_done, "w").close()
+        assert result is not None, "send to a dead receiver succeeded"
+        return result
     if mode == "killed":
         # A real process that dies: forked from this rank, so no second torch import.
         child = mp.get_context("fork").Process(
@@ -215,10 +299,12 @@ def _dead_receiver_worker(rank: int, world_size: int, rdv, transport: str, mode:
         )
         child.start()
         child.join(timeout=30)
+        open(receiver_gone, "w").close()
         return child.exitcode
     group = _group(rank, world_size, rdv, transport, timeout_s=4.0)
     WeightReceiver(group, {k: torch.zeros_like(v) for k, v in named.items()})
-    time.sleep(8.0)  # alive but never receives: the sender must not wait past its deadline
+    # Alive but never receives, until the sender gave up: it must not wait past its deadline.
+    wait_until(lambda: os.path.exists(sender_done), timeout_s=30, what="the sender's error")
     return None
 
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from llamarl.comm.testing import DistributedTestError, run_distributed
+from llamarl.comm.testing import DistributedTestError, run_distributed, wait_until
 
 
 def _values(rank: int, world_size: int, rdv, base: int) -> int:
@@ -19,9 +19,12 @@ def test_values_come_back_by_rank() -> None:
 
 
 def _root_cause_and_echo(rank: int, world_size: int, rdv) -> None:
+    failing = os.path.join(rdv.tmpdir, "rank1_failing")
     if rank == 1:
+        open(failing, "w").close()
         raise ValueError("the root cause on rank 1")
-    time.sleep(0.3)  # rank 0 fails second, as a peer of a dead rank does
+    # Rank 0 fails second, as a peer of a dead rank does.
+    wait_until(lambda: os.path.exists(failing), timeout_s=30, what="rank 1's failure")
     raise ConnectionError("rank 0 saw its peer go away")
 
 

@@ -111,3 +111,70 @@ def test_an_unfinished_write_is_never_chosen(tmp_path):
     assert notes == [
         f"checkpoint {root / 'step_00000004'} ignored: no 'complete' marker (the write did not finish)"
     ]
+
+
+SETTINGS = {
+    "task.name": "gsm8k",
+    "seed": 7,
+    "schedule.mode": "sync",
+    "schedule.prompts_per_step": 2,
+    "sampling.samples_per_prompt": 4,
+    "ranks.num_generators": 1,
+}
+OTHER_VALUES = {
+    "task.name": "math",
+    "seed": 8,
+    "schedule.mode": "async",
+    "schedule.prompts_per_step": 4,
+    "sampling.samples_per_prompt": 2,
+    "ranks.num_generators": 2,
+}
+
+
+def _resume_with_other_settings(rank: int, world_size: int, rdv, output_dir: str) -> dict:
+    dist.init_process_group("gloo", init_method=rdv.init_method, rank=rank, world_size=world_size)
+    model, optimizer = _model_and_optimizer()
+    checkpoints = ckpt.RunCheckpoints(
+        Path(output_dir), rank=rank, world_size=world_size, keep=2, settings=SETTINGS
+    )
+    checkpoints.save(
+        tick=1,
+        policy_version=2,
+        rank_state={},
+        run_state={"history": [1.5, 2.5]},
+        trainer=(model, optimizer),
+        trainer_group=dist.new_group([0]),
+    )
+    refusals = {}
+    for key, other in OTHER_VALUES.items():
+        run = ckpt.RunCheckpoints(
+            Path(output_dir), rank=rank, world_size=world_size, keep=2, settings={**SETTINGS, key: other}
+        )
+        try:
+            run.resume(log=lambda message: None)
+            refusals[key] = None
+        except ckpt.CheckpointError as e:
+            refusals[key] = str(e)
+    same = checkpoints.resume(log=lambda message: None)
+    assert same is not None
+    dist.destroy_process_group()
+    return {"refusals": refusals, "step": same.found.step, "run_state": same.run_state}
+
+
+def test_a_resume_with_settings_that_change_the_prompts_is_refused(tmp_path):
+    """Mode, seed, task, batch shape and generators fix which prompts each tick sees: a run with another
+    value refuses the checkpoint, naming the setting and both values; the same settings resume."""
+    assert set(OTHER_VALUES) == set(ckpt.MUST_MATCH_ON_RESUME)
+    (result,) = run_distributed(_resume_with_other_settings, 1, str(tmp_path), timeout_s=150)
+    path = tmp_path / ckpt.CHECKPOINTS_DIR / "step_00000002"
+    assert result["refusals"] == {
+        key: f"{path} was written with {key}={SETTINGS[key]!r}, this run has {other!r}"
+        for key, other in OTHER_VALUES.items()
+    }
+    assert result["step"] == 2
+    assert result["run_state"] == {
+        "history": [1.5, 2.5],
+        "tick": 2,
+        "policy_version": 2,
+        "settings": SETTINGS,
+    }

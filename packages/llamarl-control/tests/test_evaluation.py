@@ -35,11 +35,20 @@ def test_the_interval_is_the_normal_interval_of_the_paired_differences():
 def test_mismatched_question_lists_are_refused():
     with pytest.raises(ValueError, match="same 2"):
         paired_delta_ci([1.0, 0.0], [1.0])
+    with pytest.raises(ValueError, match="same 2"):
+        paired_delta_ci([1.0], [0.0])  # one question has no spread to measure
+    assert paired_delta_ci([0.0, 1.0], [1.0, 1.0])[0] == 0.5  # two are enough
 
 
 def test_eval_result_accuracies():
     result = EvalResult(policy_version=3, greedy_Q=[1.0, 0.0, 1.0, 1.0], sampled_Q=[0.5, 0.0, 0.25, 0.25])
     assert result.accuracy == 0.75 and result.sampled_accuracy == 0.25 and result.has_samples
+    assert EvalResult(**result.as_dict()) == result  # what a checkpoint keeps reads back the same
+    assert result.as_dict() == {
+        "policy_version": 3,
+        "greedy_Q": result.greedy_Q,
+        "sampled_Q": result.sampled_Q,
+    }
     greedy_only = EvalResult(policy_version=0, greedy_Q=[1.0, 0.0])
     assert not greedy_only.has_samples
     with pytest.raises(ValueError, match="eval_samples"):

@@ -284,7 +284,9 @@ def test_lockstep_plans_are_what_the_docstring_says():
         ["move_rollouts(1)", "sync_weights", "train(1)", "checkpoint", "sync_weights"],
     ]
     # A resumed run starts at its tick; the policy version after each tick is what checkpoints record.
-    assert [t.policy_version for t in lockstep_ticks("async", 3, start_tick=2)] == [2, 3]
+    assert [(t.index, t.policy_version) for t in lockstep_ticks("async", 3, start_tick=2)] == [(2, 2), (3, 3)]
+    assert [(t.index, t.policy_version) for t in lockstep_ticks("sync", 3)] == [(0, 1), (1, 2), (2, 3)]
+    assert [(t.index, t.policy_version) for t in lockstep_ticks("sync", 3, start_tick=1)] == [(1, 2), (2, 3)]
     with pytest.raises(ValueError, match="stream"):
         list(lockstep_ticks("stream", 2))
 

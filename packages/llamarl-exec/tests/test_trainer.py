@@ -72,14 +72,37 @@ def test_train_steps_raise_the_logprob_of_a_rewarded_sequence(tiny_model_dir, ba
     assert metrics["num_valid_tokens"] == batch.num_completion_tokens
 
 
-def test_gradient_clipping_bounds_the_update(tiny_model_dir, batch):
-    trainer = _trainer(tiny_model_dir, micro_batch_size=6, max_grad_norm=1e-3, lr=0.0)
+def _gradients_at_the_optimizer_step(trainer: PolicyTrainer) -> dict[str, torch.Tensor]:
+    """Fills, at every optimizer step of `trainer`, {name: the gradient the step applies} (after clipping)."""
+    seen: dict[str, torch.Tensor] = {}
+
+    def record(optimizer, args, kwargs) -> None:
+        seen.update({n: p.grad.detach().clone() for n, p in trainer.model.named_parameters()})
+
+    trainer.optimizer.register_step_pre_hook(record)
+    return seen
+
+
+@pytest.mark.parametrize("max_grad_norm", [1e-3, 1e6], ids=["clipped", "below_the_threshold"])
+def test_gradient_clipping_scales_the_applied_gradient_to_the_asked_norm(
+    tiny_model_dir, batch, max_grad_norm
+):
+    trainer = _trainer(tiny_model_dir, micro_batch_size=6, max_grad_norm=max_grad_norm, lr=0.0)
     trainer.optimizer.zero_grad()
     trainer.accumulate_gradients(batch)
-    raw_norm = float(torch.nn.utils.get_total_norm([p.grad for p in trainer.model.parameters()]))
+    raw = {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
+    raw_norm = float(torch.nn.utils.get_total_norm(list(raw.values())))
+    assert 1e-3 < raw_norm < 1e6
+    applied = _gradients_at_the_optimizer_step(trainer)
     metrics = trainer.train_step(batch)
     assert metrics["grad_norm"] == pytest.approx(raw_norm, rel=1e-4)  # reported before clipping
-    assert raw_norm > 1e-3
+    applied_norm = float(torch.nn.utils.get_total_norm(list(applied.values())))
+    # The optimizer steps with the gradient scaled to the asked norm (same direction), or untouched
+    # when its norm is below the threshold.
+    scale = min(1.0, max_grad_norm / raw_norm)
+    assert applied_norm == pytest.approx(min(raw_norm, max_grad_norm), rel=1e-4)
+    for name, grad in raw.items():
+        torch.testing.assert_close(applied[name], grad * scale, rtol=1e-4, atol=1e-12, msg=name)
 
 
 def test_unknown_loss_or_hyperparameter_fails_at_construction(tiny_model_dir):
@@ -203,20 +226,32 @@ def test_balanced_rows_give_exactly_the_parts_asked():
 
 
 def test_kl_penalty_to_a_frozen_reference(tiny_model_dir, batch):
-    """The reference starts equal to the policy (KL 0), stays frozen, and the KL grows as the policy moves."""
-    trainer = _trainer(tiny_model_dir, micro_batch_size=3, kl_coef=0.5, kl_estimator="k3")
+    """The reference starts equal to the policy (KL 0), stays frozen, the KL grows as the policy moves,
+    and the penalty adds exactly kl_coef x KL (k3, token mean) to the loss."""
+    kl_coef = 0.5
+    trainer = _trainer(tiny_model_dir, micro_batch_size=3, kl_coef=kl_coef, kl_estimator="k3")
     plain = _trainer(tiny_model_dir, micro_batch_size=3)
+    reference_logprobs = plain.compute_logprobs(batch)  # the initial policy: the reference's
     ref_before = [p.detach().clone() for p in trainer.ref_model.parameters()]
     first = trainer.train_step(batch)
     assert first["kl_k3"] == pytest.approx(0.0, abs=1e-6)
     assert first["loss"] == pytest.approx(plain.train_step(batch)["loss"], rel=1e-5, abs=1e-7)
+    # The KL's gradient is 0 where the policy equals the reference: both took the same first step.
+    for (name, p_kl), p_plain in zip(trainer.model.named_parameters(), plain.model.parameters(), strict=True):
+        torch.testing.assert_close(p_kl, p_plain, rtol=1e-6, atol=1e-7, msg=name)
+    # k3 of the moved policy against the reference, averaged over the completion tokens.
+    log_ratio = reference_logprobs - trainer.compute_logprobs(batch)
+    mask = batch.completion_mask_BC.bool()
+    expected_kl = float((torch.expm1(log_ratio) - log_ratio)[mask].mean())
+    assert expected_kl > 1e-6
     second = trainer.train_step(batch)
-    assert second["kl_k3"] > 1e-6
+    assert second["kl_k3"] == pytest.approx(expected_kl, rel=1e-3)
     assert all(not p.requires_grad for p in trainer.ref_model.parameters())
     for before, after in zip(ref_before, trainer.ref_model.parameters(), strict=True):
         assert torch.equal(before, after)
-    # The penalty is in the loss: same step without it differs by kl_coef * KL.
-    assert second["loss"] != pytest.approx(plain.train_step(batch)["loss"], rel=1e-6)
+    # The penalty is in the loss: the same step without it is lower by exactly kl_coef * KL.
+    plain_second = plain.train_step(batch)
+    assert second["loss"] - plain_second["loss"] == pytest.approx(kl_coef * expected_kl, rel=1e-3)
 
 
 def test_lr_schedule_warms_up_then_decays(tiny_model_dir, batch):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from llamarl.comm import WeightSender, WeightSyncGroup
-from llamarl.comm.testing import free_port
+from llamarl.comm.testing import free_port, wait_until
 from llamarl.exec import GeneratorConfig, PolicyTrainer, SamplingConfig, VLLMGenerator, smollm2_path
 from llamarl.exec.testing import build_trainer, vllm_python_for_tests
 from llamarl.exec.types import GenerationPaused, PauseGeneration
@@ -313,11 +313,19 @@ def test_the_engine_exits_when_its_generator_process_is_killed(model_dir, tmp_pa
     import subprocess
     import sys
     import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
 
     script = tmp_path / "rank.py"
     script.write_text(_ORPHAN_SCRIPT)
+    port = free_port()
+    # The trainer's store, hosted here so that the engine's join can be seen: once its layout is in, the
+    # engine waits inside the join for a trainer that never comes.
+    store = dist.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=300), wait_for_workers=False)
+    group_keys = dist.PrefixStore("llamarl-wsync/", store)  # as WeightSyncGroup names its keys
     rank = subprocess.Popen(
-        [sys.executable, str(script), model_dir, vllm_python_for_tests(), str(free_port())],
+        [sys.executable, str(script), model_dir, vllm_python_for_tests(), str(port)],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -325,7 +333,7 @@ def test_the_engine_exits_when_its_generator_process_is_killed(model_dir, tmp_pa
         line = rank.stdout.readline()  # the engine's pid, once it serves (or "" if the rank failed)
         assert line.strip().isdigit(), f"the rank did not start its engine (exit code {rank.poll()})"
         engine_pid = int(line)
-        time.sleep(5)  # the engine is now in the join
+        wait_until(lambda: group_keys.check(["layout/1"]), timeout_s=200, what="the engine's layout")
         assert _running(engine_pid)
     finally:
         rank.send_signal(signal.SIGKILL)

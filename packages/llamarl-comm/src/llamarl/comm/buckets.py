@@ -76,10 +76,10 @@ class Checksummer:
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         n = payload_u8.numel()
         whole = n - n % 8
-        words = payload_u8[:whole].view(torch.int64)
         tail = payload_u8[whole:] if whole != n else None
-        if not whole:
+        if not whole:  # (an empty view as int64 would still need an aligned address)
             return None, None, tail
+        words = payload_u8[:whole].view(torch.int64)
         if self.stride == 1:
             return None, words, tail
         rows = (words.numel() - 1) // self.stride  # the last (partial or whole) row is summed in full

@@ -79,7 +79,9 @@ class GeneratorSide(Side):
 
     def _build_generator(self) -> Generator:
         cfg = self.config
-        seed = cfg.seed + self.rank
+        # Seeded by its index among the generators, not by its rank: the samples of a run do not change
+        # with the number of trainer ranks (a sharded run samples what a single-rank run samples).
+        seed = cfg.seed + self.generator_index
         dtype = generation_dtype(cfg.generator.precision, self.device)
         if cfg.generator.backend == "vllm":
             return VLLMGenerator(

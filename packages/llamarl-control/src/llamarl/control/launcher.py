@@ -298,7 +298,7 @@ def _run_rank(
         _prefer_for_oom_kill()
         # Before any CUDA work: this rank's GPU becomes the current device (FSDP2 shards land there).
         pin_rank(this_rank_placement(config))
-        torch.set_num_threads(config.ranks.threads_per_rank or _default_threads(config))
+        torch.set_num_threads(rank_threads(config))
         _quiet_libraries()
         _init_default_group(config.launch.timeout_s)
         nodes.start()
@@ -386,6 +386,12 @@ def _quiet_libraries() -> None:
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
+
+
+def rank_threads(config: RunConfig) -> int:
+    """The CPU threads each rank computes with: `ranks.threads_per_rank` when set, else a share of the
+    cores (`_default_threads`)."""
+    return config.ranks.threads_per_rank or _default_threads(config)
 
 
 def _default_threads(config: RunConfig) -> int:

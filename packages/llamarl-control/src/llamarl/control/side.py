@@ -223,8 +223,9 @@ class Side:
         return self.summarize(run_s=time.perf_counter() - run_start, loop_s=loop_s, memory=memory)
 
     def loop_clock(self) -> float:
-        """Seconds on a clock that stops while evaluating inside the loop: step times are training only."""
-        return time.perf_counter() - self._eval_s_in_loop
+        """Seconds on a clock that stops while evaluating inside the loop: step times are training only.
+        (The timeline's clock, less the in-loop evaluations' spans: the trace and the metrics agree.)"""
+        return self.timeline.now() - self._eval_s_in_loop
 
     # ----------------------------------------------------------------------------------------------
     # lock step
@@ -314,10 +315,11 @@ class Side:
             self.evaluate_in_loop(f"tick {tick}")
 
     def evaluate_in_loop(self, when: str) -> None:
-        """An evaluation inside the training loop; its time is left out of the step times."""
-        start = time.perf_counter()
-        self.evaluate(when)
-        self._eval_s_in_loop += time.perf_counter() - start
+        """An evaluation inside the training loop; its time is left out of the step times (its span on
+        the timeline, recording its result included: the trace and the metrics agree)."""
+        if self.evaluate(when) is not None:
+            span = self.timeline.last("eval")
+            self._eval_s_in_loop += span.end - span.start
 
     def evaluate(self, when: str) -> EvalResult | None:
         """Accuracy on the held-out questions, split across generators; None when eval.size is 0.
@@ -344,12 +346,12 @@ class Side:
             for tensor in (greedy_Q, sampled_Q):
                 dist.all_reduce(tensor)
             dist.all_reduce(version, op=dist.ReduceOp.MAX)
-        result = EvalResult(
-            policy_version=int(version),
-            greedy_Q=greedy_Q.tolist(),
-            sampled_Q=sampled_Q.tolist() if self.config.eval.samples else None,
-        )
-        self.record_evaluation(result, when)
+            result = EvalResult(
+                policy_version=int(version),
+                greedy_Q=greedy_Q.tolist(),
+                sampled_Q=sampled_Q.tolist() if self.config.eval.samples else None,
+            )
+            self.record_evaluation(result, when)
         return result
 
     def eval_heartbeat(self) -> None:

@@ -27,19 +27,33 @@ class Span:
 
 
 class Timeline:
-    """The spans one rank recorded, in the order they ended."""
+    """The spans one rank recorded, in the order they ended.
+
+    Times are wall-clock seconds read through the monotonic clock (`now`): the ranks of one machine line
+    up (each starts from time.time()), and no duration moves with an adjustment of the wall clock, so
+    the controller measures its step times with the same readings as the spans it records.
+    """
 
     def __init__(self) -> None:
         self.spans: list[Span] = []
+        self._offset = time.time() - time.perf_counter()
+
+    def now(self) -> float:
+        """The timeline's clock: wall-clock seconds since the epoch, advancing monotonically."""
+        return self._offset + time.perf_counter()
 
     @contextlib.contextmanager
     def phase(self, name: str, tick: int = -1) -> Iterator[None]:
         """Records the time spent in the `with` block as a span named `name`."""
-        start = time.time()
+        start = self.now()
         try:
             yield
         finally:
-            self.spans.append(Span(name, start, time.time(), tick))
+            self.spans.append(Span(name, start, self.now(), tick))
+
+    def last(self, name: str) -> Span:
+        """The span named `name` that ended last."""
+        return next(s for s in reversed(self.spans) if s.name == name)
 
 
 def write_chrome_trace(path: Path, spans_by_rank: list[list[Span]], roles: list[str]) -> None:

@@ -92,7 +92,7 @@ class TrainerLoop:
         send_weights: Callable[[int], None],
         max_policy_lag: int,
         timeline: Timeline,
-        clock: Callable[[], float] = time.perf_counter,
+        paused_s: Callable[[], float] = lambda: 0.0,
         tolerate_sync_failures: bool = False,
     ) -> None:
         self.trainer = trainer
@@ -104,7 +104,8 @@ class TrainerLoop:
         self._send = send_weights
         self.max_policy_lag = max_policy_lag
         self.timeline = timeline
-        self.clock = clock  # the loop clock: stops while the controller evaluates inside the loop
+        # Seconds the loop was paused so far (evaluations inside it): left out of the step times.
+        self.paused_s = paused_s
         self.last_sync_s = float("nan")
         self.generator_stats = GeneratorStats()
         self._answered = 0  # requests for weights answered (StreamControl.weights_wanted)
@@ -146,13 +147,15 @@ class TrainerLoop:
             raise PolicyLagError(
                 f"rollouts are {lag} policy versions old (max_policy_lag={self.max_policy_lag})"
             )
-        start = time.perf_counter()
         with self.timeline.phase("train", self.tick):
             train_metrics = self.trainer.train_step(batch)  # every trainer rank; metrics are global
-        train_s = time.perf_counter() - start
-        now = self.clock()
-        step_s = now - self._last_step_end if self._last_step_end is not None else float("nan")
-        self._last_step_end = now
+        # The step's times are the train span's own readings (the trace shows what the metrics say): a
+        # step lasts from the end of the previous training to the end of this one, pauses left out.
+        span = self.timeline.last("train")
+        train_s = span.end - span.start
+        step_end = span.end - self.paused_s()
+        step_s = step_end - self._last_step_end if self._last_step_end is not None else float("nan")
+        self._last_step_end = step_end
         tokens = whole.num_completion_tokens
         gen = self.generator_stats.step()
         generate_s = gen.get("generate_s", float("nan"))

@@ -92,7 +92,7 @@ class TrainerSide(Side):
             send_weights=self.sender.send,
             max_policy_lag=cfg.schedule.max_policy_lag,
             timeline=self.timeline,
-            clock=self.loop_clock,
+            paused_s=lambda: self._eval_s_in_loop,
             tolerate_sync_failures=cfg.replaces_engines,
         )
         if self.is_logger:

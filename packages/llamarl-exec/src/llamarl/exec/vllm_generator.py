@@ -284,6 +284,13 @@ class VLLMGenerator:
         """The policy_version the engine itself reports (None after a failed sync)."""
         return self._client_or_raise().call("weight_version")
 
+    def generation_progress(self) -> tuple[list[int], list[bool]]:
+        """How far the generate in flight got (callable from its `between_steps`): the tokens each
+        completion sampled so far and whether it finished, as of the engine's last step; empty lists
+        outside a generate. What waits on sampling progress reads it, never the clock."""
+        progress = self._client_or_raise().call("progress")
+        return progress["tokens"], progress["finished"]
+
     # ----------------------------------------------------------------------------------------------
     # sampling
 

@@ -8,8 +8,8 @@ until the parent goes away (end of file on the socket). It imports only the stan
 not imported.
 
 In-flight requests: `generate` steps the engine itself and, between two engine steps, answers the few
-requests that may arrive while it runs (`NESTED_METHODS`: a weight sync, a version query, an abort, a
-pause that ends the generate with what it sampled so far).
+requests that may arrive while it runs (`NESTED_METHODS`: a weight sync, a version or progress query,
+an abort, a pause that ends the generate with what it sampled so far).
 Replies name their request because a nested request's reply and the generate's own reply can cross
 (the generate may finish just as the client sends a sync); the client sorts them by that name.
 
@@ -35,7 +35,7 @@ def log(msg: str) -> None:
 
 # Requests the engine answers while a generate is in flight (between two engine steps); any other is an
 # error there. "close" ends the generate (its requests aborted) and then the process.
-NESTED_METHODS = ("receive_weights", "weight_version", "abort", "pause", "close")
+NESTED_METHODS = ("receive_weights", "weight_version", "progress", "abort", "pause", "close")
 
 
 class GenerateAborted(Exception):
@@ -79,6 +79,8 @@ class Engine:
         self._reset_owed_for: int | None = None
         # Model turns of multi-turn episodes in the engine (turns_add / turns_wait), by request id.
         self._turns: dict[str, dict[str, Any]] = {}
+        # The generate in flight's completions: tokens sampled so far and whether each finished.
+        self._progress: tuple[list[list[int]], list[bool]] = ([], [])
 
     def generate(
         self,
@@ -146,6 +148,7 @@ class Engine:
         finished = [False] * num
         added: list[str] = []
         paused = False
+        self._progress = (token_ids, finished)
         self._in_flight = True
         try:
             raw = [TokensPrompt(prompt_token_ids=p) for p in prompts]
@@ -181,6 +184,7 @@ class Engine:
                 added = []  # every request finished: nothing to abort
         finally:
             self._in_flight = False
+            self._progress = ([], [])
             if added:  # aborted or failed half way: the requests must not run into the next call
                 engine.abort_request(added)
             self._reset_owed_prefix_cache()
@@ -294,6 +298,12 @@ class Engine:
                 raise RuntimeError(
                     "the weight sync taken during this generate failed; its requests were aborted"
                 )
+
+    def progress(self) -> dict[str, list]:
+        """How far the generate in flight got, as of the last engine step: the tokens each completion
+        sampled so far and whether it finished (empty lists outside a generate)."""
+        token_ids, finished = self._progress
+        return {"tokens": [len(ids) for ids in token_ids], "finished": list(finished)}
 
     def abort(self) -> None:
         """Abandons a generate in flight; outside one (it finished first) there is nothing to do."""

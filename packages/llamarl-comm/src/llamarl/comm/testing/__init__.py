@@ -1,7 +1,8 @@
 """Test helpers every llamarl package can use.
 
 - ``run_distributed`` / ``free_port`` / ``DistributedPool`` (``harness``): run a function in several
-  real processes on the CPU, tracebacks re-raised in the parent, a timeout on every run.
+  real processes on the CPU, tracebacks re-raised in the parent, a timeout on every run;
+  ``wait_until``: wait on an event another process makes (a file, a reported version), with a deadline.
 - ``nccl_rules_process_group`` / ``NcclRulesProcessGroup`` (``nccl_rules``): a gloo transport that
   follows NCCL's point-to-point rules (tags ignored, one ordered stream per pair), so a protocol is
   tested against NCCL without a GPU: ``WeightSyncGroup(..., process_group_factory=
@@ -18,6 +19,7 @@ from llamarl.comm.testing.harness import (
     Rendezvous,
     free_port,
     run_distributed,
+    wait_until,
 )
 from llamarl.comm.testing.nccl_rules import (
     NcclRulesProcessGroup,
@@ -36,6 +38,7 @@ __all__ = [
     "nccl_rules_process_group",
     "run_distributed",
     "transport_kwargs",
+    "wait_until",
 ]
 
 #: The transports a protocol test runs over: gloo as it is, and gloo under NCCL's rules.

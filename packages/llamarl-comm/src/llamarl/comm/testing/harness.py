@@ -37,7 +37,14 @@ from typing import Any
 
 from llamarl.comm.transport import free_port
 
-__all__ = ["DistributedPool", "DistributedTestError", "Rendezvous", "free_port", "run_distributed"]
+__all__ = [
+    "DistributedPool",
+    "DistributedTestError",
+    "Rendezvous",
+    "free_port",
+    "run_distributed",
+    "wait_until",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -289,3 +296,28 @@ def run_distributed(
         finally:
             pool.close()
     return _shared_pool().run(fn, world_size, *args, timeout_s=timeout_s, may_die=may_die)
+
+
+def wait_until(
+    read: Callable[[], Any],
+    until: Callable[[Any], bool] = bool,
+    *,
+    timeout_s: float,
+    what: str,
+    poll_s: float = 0.02,
+) -> Any:
+    """Polls ``read()`` until ``until(value)`` holds (default: the value is truthy) and returns that value.
+
+    What a test waits on with it is an event another process makes (a file, a key in a store, a version
+    reported), never a guess of how long that takes: a fast machine returns at once, a loaded one waits
+    longer, and only a missing event waits out ``timeout_s``, then raises ``TimeoutError`` naming
+    ``what`` and the last value read.
+    """
+    deadline = time.monotonic() + timeout_s
+    value = read()
+    while not until(value):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {timeout_s:.0f} s for {what}; last read {value!r}")
+        time.sleep(poll_s)
+        value = read()
+    return value

@@ -106,9 +106,16 @@ class RolloutBuffer:
                     self.counts.taken += len(taken)
                     return concat_rollouts(taken)
                 wait_until = deadline if on_wait is None else min(deadline, time.monotonic() + poll_s)
-                if time.monotonic() >= deadline:
-                    self._groups.extendleft(reversed(taken))  # nothing is lost by a timeout
-                self._wait(deadline, f"{num_groups - len(taken)} more groups from the generators", wait_until)
+                try:
+                    self._wait(
+                        deadline, f"{num_groups - len(taken)} more groups from the generators", wait_until
+                    )
+                except (BufferTimeout, BufferClosed):
+                    # Nothing is lost by a take that fails: the groups it holds go back in front, in
+                    # order. (Decided here, where the wait failed: a clock read before it may still be
+                    # short of the deadline that the wait's own reading has passed.)
+                    self._groups.extendleft(reversed(taken))
+                    raise
             if on_wait is not None:
                 on_wait()
 
