@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from stream_checks import assert_every_prompt_trained_at_most_once_and_none_skipped
 import torch
+from stream_checks import assert_every_prompt_trained_at_most_once_and_none_skipped
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 4
