@@ -142,7 +142,7 @@ def _trainer(model_dir: Path, device: torch.device, group, *, steps: int = 4):
         temperature=1.0,
         total_steps=steps,
         device=str(device),
-        param_dtype=trainer_compute_dtype(device),
+        compute_dtype=trainer_compute_dtype("auto", device),
         seed=0,
         group=group,
     )
@@ -226,7 +226,11 @@ def _sync_rank(rank: int, world_size: int, rendezvous, model_dir: str, cpu: bool
         vocab = trainer.model.config.vocab_size
         trainer.train_step(random_batch(vocab, sequences=8, prompt_len=16, completion_len=16))
         weight_group, sender = open_sender(
-            trainer.model, address, timeout_s=120, bucket_mb=256, wire_dtype=weight_wire_dtype(device)
+            trainer.model,
+            address,
+            timeout_s=120,
+            bucket_mb=256,
+            wire_dtype=weight_wire_dtype(generation_dtype("auto", device)),
         )
         times = []
         for version in range(1, 4):
@@ -242,7 +246,7 @@ def _sync_rank(rank: int, world_size: int, rendezvous, model_dir: str, cpu: bool
         trainer.close()
     else:
         generator = HFGenerator(
-            model_dir, SamplingConfig(), device=str(device), dtype=generation_dtype(device)
+            model_dir, SamplingConfig(), device=str(device), dtype=generation_dtype("auto", device)
         )
         generator.setup()
         connect_generator(generator, address, timeout_s=120)

@@ -18,6 +18,7 @@ from llamarl.control.devices import (
     group_backend,
     place_rank,
     uses_cuda,
+    weight_sync_backend,
 )
 from llamarl.exec.config import SamplingConfig
 from llamarl.exec.vllm_env import engine_env
@@ -55,6 +56,20 @@ def test_every_rank_gets_the_gpu_of_its_local_rank():
         launch={"nnodes": 2, "rdzv_endpoint": "node0:29500"},
     )
     assert [d for d, _, _ in placements(two, cuda_devices=2)] == ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
+
+
+def test_the_weight_sync_group_is_nccl_only_where_every_rank_has_a_gpu_of_its_own():
+    two = {"num_trainers": 2, "num_generators": 2}
+    assert weight_sync_backend(config(ranks=two), cuda_devices=4) == "nccl"
+    assert weight_sync_backend(config(ranks={**two, "device": "cuda"}), cuda_devices=4) == "nccl"
+    assert weight_sync_backend(config(ranks=two), cuda_devices=0) == "gloo"  # the CPU
+    assert weight_sync_backend(config(ranks={**two, "device": "cpu"}), cuda_devices=4) == "gloo"
+    # Trainer i and generator i on one GPU: NCCL refuses two members on one device, so gloo.
+    colocated = config(
+        ranks={**two, "colocate": True, "trainer_memory_fraction": 0.45},
+        generator={"gpu_memory_utilization": 0.45},
+    )
+    assert weight_sync_backend(colocated, cuda_devices=2) == "gloo"
 
 
 def test_a_vllm_generator_rank_leaves_its_gpu_to_its_engine():

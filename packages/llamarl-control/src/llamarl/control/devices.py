@@ -50,6 +50,15 @@ def uses_cuda(config: RunConfig, cuda_devices: int | None = None) -> bool:
     return config.ranks.device == "cuda" or (config.ranks.device == "auto" and count > 0)
 
 
+def weight_sync_backend(config: RunConfig, cuda_devices: int | None = None) -> str:
+    """The weight-sync group's backend, the same on every trainer and generator rank (and engine):
+    "nccl" where every rank computes on a GPU of its own (buckets go GPU to GPU, never through host
+    memory); "gloo" on the CPU, and when a trainer and a generator share a GPU (`ranks.colocate`: NCCL
+    refuses two members of one group on one device, so buckets are staged through host memory; the
+    CUDA IPC path of `llamarl.comm.colocated` is not wired into runs yet)."""
+    return "nccl" if uses_cuda(config, cuda_devices) and not config.ranks.colocate else "gloo"
+
+
 def place_rank(config: RunConfig, *, rank: int, local_rank: int, cuda_devices: int) -> Placement:
     """The placement of global rank `rank` (local rank `local_rank` on its machine) on a machine whose
     process sees `cuda_devices` GPUs. Assumes `check_placement` passed."""

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from llamarl.control import checkpoint as ckpt
 from llamarl.control.channels.weights import FIRST_TRAINER_RANK, WeightChannelAddress, weight_channel_address
 from llamarl.control.config import RunConfig
-from llamarl.control.devices import group_backend, rank_device
+from llamarl.control.devices import group_backend, rank_device, weight_sync_backend
 from llamarl.control.evaluation import EvalProgress, EvalResult
 from llamarl.control.faults import FaultInjector
 from llamarl.control.memory import ProcessTreeMemory
@@ -170,7 +170,7 @@ class Side:
         # tensors go over NCCL and its CPU bookkeeping over gloo (llamarl.control.devices).
         self.trainer_group = dist.new_group(self.trainer_ranks, backend=group_backend(self.device))
         self.build_executors()
-        address = weight_channel_address(self.rank, self.world_size)
+        address = weight_channel_address(self.rank, self.world_size, weight_sync_backend(cfg))
         self.checkpoints = None
         if cfg.checkpoint.every or cfg.checkpoint.resume:
             self.checkpoints = ckpt.RunCheckpoints(

@@ -148,14 +148,31 @@ class HFGenerator:
     # weights
 
     def connect_weight_sync(
-        self, *, host: str, port: int, rank: int, world_size: int, timeout_s: float, src_rank: int = 0
+        self,
+        *,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+        src_rank: int = 0,
+        backend: str = "gloo",
     ) -> None:
         """Joins the trainer's weight-sync group as `rank`; syncs then write into `model` in place (with
         LoRA: into its adapters only). The trainer's `WeightSender` must be built at about the same time.
-        `timeout_s` bounds each step of a sync (forming the group, every bucket)."""
+        `timeout_s` bounds each step of a sync (forming the group, every bucket). `backend` "nccl"
+        receives straight into the model on its GPU."""
         if self.model is None:
             raise RuntimeError("HFGenerator.connect_weight_sync called before setup()")
-        group = WeightSyncGroup(host=host, port=port, rank=rank, world_size=world_size, timeout_s=timeout_s)
+        group = WeightSyncGroup(
+            host=host,
+            port=port,
+            rank=rank,
+            world_size=world_size,
+            timeout_s=timeout_s,
+            backend=backend,
+            device=self.device if backend == "nccl" else None,
+        )
         try:
             destination = adapter_tensors(self.model) if self.lora is not None else self.model
             self._weights = WeightReceiver(group, destination, src_rank=src_rank)

@@ -159,10 +159,19 @@ class Generator(Protocol):
     def setup(self) -> None: ...
 
     def connect_weight_sync(
-        self, *, host: str, port: int, rank: int, world_size: int, timeout_s: float, src_rank: int = 0
+        self,
+        *,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+        src_rank: int = 0,
+        backend: str = "gloo",
     ) -> int | None:
         """Joins the trainer's weight-sync group (llamarl.comm) as `rank`: this process or its engine
-        receives straight from the trainer ranks. `timeout_s` bounds each step of a sync."""
+        receives straight from the trainer ranks. `timeout_s` bounds each step of a sync. `backend`:
+        the group's ("nccl" between GPUs, else "gloo"), the same on every member."""
         ...
 
     def receive_weights(self, timeout_s: float) -> int:

@@ -226,21 +226,43 @@ class VLLMGenerator:
     # weights
 
     def connect_weight_sync(
-        self, *, host: str, port: int, rank: int, world_size: int, timeout_s: float, src_rank: int = 0
+        self,
+        *,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+        src_rank: int = 0,
+        backend: str = "gloo",
     ) -> int:
         """Has the engine's worker join the trainer's weight-sync group as `rank`; returns how many
         tensors it expects. The trainer's `WeightSender` must be built at about the same time.
-        `restart_engine()` has a new engine rejoin this group with the same arguments."""
-        num_tensors = self._join_weight_sync(
-            host=host, port=port, rank=rank, world_size=world_size, timeout_s=timeout_s, src_rank=src_rank
+        `backend` "nccl": the worker receives straight into buffers on its GPU. `restart_engine()` has a
+        new engine rejoin this group with the same arguments."""
+        arguments: dict[str, Any] = dict(
+            host=host,
+            port=port,
+            rank=rank,
+            world_size=world_size,
+            timeout_s=timeout_s,
+            src_rank=src_rank,
+            backend=backend,
         )
-        self._weight_sync = dict(
-            host=host, port=port, rank=rank, world_size=world_size, timeout_s=timeout_s, src_rank=src_rank
-        )
+        num_tensors = self._join_weight_sync(**arguments)
+        self._weight_sync = arguments
         return num_tensors
 
     def _join_weight_sync(
-        self, *, host: str, port: int, rank: int, world_size: int, timeout_s: float, src_rank: int
+        self,
+        *,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+        src_rank: int,
+        backend: str,
     ) -> int:
         # A fresh engine in a group that already ran rejoins by itself: its WeightReceiver sees the
         # group's first generation done and asks for a new one (llamarl.comm.WeightReceiver).
@@ -253,6 +275,7 @@ class VLLMGenerator:
             world_size=world_size,
             timeout_s=timeout_s,
             src_rank=src_rank,
+            backend=backend,
         )
 
     def receive_weights(self, timeout_s: float | None = None) -> int:

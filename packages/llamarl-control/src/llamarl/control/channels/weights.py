@@ -30,11 +30,12 @@ class WeightChannelAddress:
     port: int
     rank: int  # this rank (the same as in the default group)
     world_size: int
+    backend: str = "gloo"  # "nccl" between GPUs (llamarl.control.devices.weight_sync_backend)
 
 
-def weight_channel_address(rank: int, world_size: int) -> WeightChannelAddress:
+def weight_channel_address(rank: int, world_size: int, backend: str = "gloo") -> WeightChannelAddress:
     """Where the weight-sync group meets: a port chosen by the first trainer rank (a collective over
-    every rank of the default group)."""
+    every rank of the default group), and the group's backend (every rank must give the same)."""
     # Checked free on every interface: other machines connect to it.
     port = torch.tensor([free_port("") if rank == FIRST_TRAINER_RANK else 0], dtype=torch.int64)
     dist.broadcast(port, FIRST_TRAINER_RANK)
@@ -43,6 +44,7 @@ def weight_channel_address(rank: int, world_size: int) -> WeightChannelAddress:
         port=int(port.item()),
         rank=rank,
         world_size=world_size,
+        backend=backend,
     )
 
 
@@ -55,8 +57,10 @@ def open_sender(
     wire_dtype: torch.dtype | None,
 ) -> tuple[WeightSyncGroup, WeightSender]:
     """A trainer rank's end: joins the group as a source of `model`'s weights (its FSDP2 shards, if
-    sharded), or of the tensors of a {name: tensor} mapping. `timeout_s` bounds each step of a sync."""
-    group = WeightSyncGroup(**asdict(address), timeout_s=timeout_s)
+    sharded), or of the tensors of a {name: tensor} mapping. `timeout_s` bounds each step of a sync.
+    On NCCL the buckets are packed on this rank's current GPU."""
+    device = torch.device("cuda", torch.cuda.current_device()) if address.backend == "nccl" else None
+    group = WeightSyncGroup(**asdict(address), timeout_s=timeout_s, device=device)
     try:
         return group, WeightSender(group, model, bucket_bytes=bucket_mb << 20, wire_dtype=wire_dtype)
     except BaseException:
