@@ -35,3 +35,33 @@ def test_a_child_s_peak_is_counted_after_it_freed_its_memory():
     assert ours["process"] == "rank 9 generator" and ours["peak_rss_mb"] > 10
     summary = memory_summary(memory.processes())
     assert summary["peak_rss_mb_total"] == pytest.approx(sum(p["peak_rss_mb"] for p in processes.values()))
+
+
+@pytest.mark.timeout(60)
+def test_spawned_workers_are_told_from_the_resource_tracker_by_what_they_run():
+    # The launcher adds -Wignore:resource_tracker:UserWarning to every spawned child's command line: a
+    # reward worker is still a worker, and only the tracker itself is the tracker.
+    import multiprocessing as mp
+
+    from llamarl.control.memory import describe_process
+
+    ctx = mp.get_context("spawn")
+    warnoptions = list(sys.warnoptions)
+    sys.warnoptions.append("ignore:resource_tracker:UserWarning")
+    try:
+        worker = ctx.Process(target=time.sleep, args=(30,))
+        worker.start()
+    finally:
+        sys.warnoptions[:] = warnoptions
+    try:
+        import psutil
+
+        me = psutil.Process()
+        labels = {
+            p.pid: describe_process(p, me.pid, "rank 1 generator", "reward worker") for p in me.children()
+        }
+        assert labels[worker.pid] == "rank 1 generator reward worker", labels
+        assert "rank 1 generator multiprocessing resource tracker" in labels.values(), labels
+    finally:
+        worker.kill()
+        worker.join()

@@ -111,7 +111,9 @@ def describe_process(
         return f"{root_label} child"
     if "vllm_server" in command:
         what = "vllm engine"
-    elif "resource_tracker" in command:
+    # The module it runs, not the bare name: every spawned child's command line carries the launcher's
+    # "-Wignore:resource_tracker:UserWarning".
+    elif "multiprocessing.resource_tracker import" in command:
         what = "multiprocessing resource tracker"
     elif "multiprocessing" in command or "spawn_main" in command:
         what = worker_label if parent == root_pid else "engine helper"
