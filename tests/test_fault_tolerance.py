@@ -92,7 +92,10 @@ def args_for(model: Path, data: Path, out: Path, *extra: str, mode: str = "sync"
     return [
         "--model", str(model), "--data", str(data), "--output-dir", str(out), "--mode", mode,
         "--steps", str(STEPS), "--prompts-per-step", "2", "--samples-per-prompt", "4",
-        "--max-new-tokens", "1", "--eval-size", "2", "--lr", "1e-3", "--seed", "7", *extra,
+        "--max-new-tokens", "1", "--eval-size", "2", "--lr", "1e-3", "--seed", "7",
+        # float32, whatever the CPU: the sharded run must equal the single-rank one to 1e-6, and the
+        # generator's log-probs the trainer's (DAPO's first loss is 0 but for rounding)
+        "--trainer.precision", "fp32", "--generator.precision", "fp32", *extra,
     ]  # fmt: skip
 
 

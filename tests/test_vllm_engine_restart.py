@@ -169,7 +169,9 @@ def _generator_rank(rdv, model_dir: str, vllm_python: str) -> dict:
         out["engine_version"] = gen.engine_policy_version()
         batch = gen.generate(prompts, samples_per_prompt=3, max_new_tokens=24)
         out["batch_versions"] = sorted(set(batch.policy_version_B.tolist()))
-        torch.save(batch, Path(rdv.tmpdir, "batch.pt"))
+        # Written whole, then renamed: the trainer reads it as soon as the name appears.
+        torch.save(batch, Path(rdv.tmpdir, "batch.pt.partial"))
+        os.replace(Path(rdv.tmpdir, "batch.pt.partial"), Path(rdv.tmpdir, "batch.pt"))
         out["num_engine_restarts"] = gen.num_engine_restarts
     finally:
         gen.close()
