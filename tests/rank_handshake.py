@@ -29,6 +29,20 @@ def wait_for(rdv, name: str, timeout_s: float = FILE_WAIT_S) -> None:
         time.sleep(0.05)
 
 
+def publish(rdv, name: str, obj) -> None:
+    """Saves `obj` as file `name` for the other rank, whole: written under another name, then renamed,
+    so a rank that sees the name (`wait_for`) never reads a file half written."""
+    partial = Path(rdv.tmpdir, f".{name}.partial")
+    torch.save(obj, partial)
+    partial.replace(Path(rdv.tmpdir, name))
+
+
+def receive(rdv, name: str, timeout_s: float = FILE_WAIT_S):
+    """Waits for the other rank's `publish(rdv, name, ...)` and loads it."""
+    wait_for(rdv, name, timeout_s)
+    return torch.load(Path(rdv.tmpdir, name), weights_only=False)
+
+
 def perturb(model: torch.nn.Module, seed: int) -> None:
     """New weights, as a training step would make them (different for every seed)."""
     with torch.no_grad():

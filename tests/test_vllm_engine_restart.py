@@ -24,11 +24,9 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
 
 import pytest
-import torch
-from rank_handshake import perturb, touch, wait_for
+from rank_handshake import perturb, publish, receive, touch, wait_for
 
 pytestmark = pytest.mark.vllm  # the real engine (conftest.py builds its environment)
 
@@ -67,8 +65,7 @@ def _trainer(rdv, model_dir: str) -> dict:
     wait_for(rdv, "restarted")
     sender.send(3)  # re-forms the group with the new engine, delivers the latest weights
 
-    wait_for(rdv, "batch.pt")
-    batch = torch.load(Path(rdv.tmpdir, "batch.pt"), weights_only=False)
+    batch = receive(rdv, "batch.pt")
     mask = batch.completion_mask_BC == 1
 
     def max_diff() -> float:
@@ -169,9 +166,7 @@ def _generator_rank(rdv, model_dir: str, vllm_python: str) -> dict:
         out["engine_version"] = gen.engine_policy_version()
         batch = gen.generate(prompts, samples_per_prompt=3, max_new_tokens=24)
         out["batch_versions"] = sorted(set(batch.policy_version_B.tolist()))
-        # Written whole, then renamed: the trainer reads it as soon as the name appears.
-        torch.save(batch, Path(rdv.tmpdir, "batch.pt.partial"))
-        os.replace(Path(rdv.tmpdir, "batch.pt.partial"), Path(rdv.tmpdir, "batch.pt"))
+        publish(rdv, "batch.pt", batch)
         out["num_engine_restarts"] = gen.num_engine_restarts
     finally:
         gen.close()

@@ -29,11 +29,9 @@ Marked `vllm`: the workspace's conftest.py builds the vLLM environment first whe
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import pytest
-import torch
-from rank_handshake import perturb, touch, wait_for
+from rank_handshake import perturb, publish, receive, touch, wait_for
 
 pytestmark = pytest.mark.vllm  # the real engine (conftest.py builds its environment)
 
@@ -65,8 +63,7 @@ def _trainer(rdv, model_dir: str) -> dict:
     sender.send(1)
     out["send_s"] = time.monotonic() - start
 
-    wait_for(rdv, "mixed.pt")
-    mixed = torch.load(Path(rdv.tmpdir, "mixed.pt"), weights_only=False)
+    mixed = receive(rdv, "mixed.pt")
     trainer.model.load_state_dict(initial)
     diff_v0 = (trainer.compute_logprobs(mixed) - mixed.behavior_logprobs_BC).abs()
     mask = mixed.completion_mask_BC == 1
@@ -81,8 +78,7 @@ def _trainer(rdv, model_dir: str) -> dict:
             firsts.append(float(diff_v0[row, versions.index(1)]))
     out["mean_diff_first_v1_tokens"] = sum(firsts) / len(firsts) if firsts else None
 
-    wait_for(rdv, "after.pt")
-    after = torch.load(Path(rdv.tmpdir, "after.pt"), weights_only=False)
+    after = receive(rdv, "after.pt")
     trainer.model.load_state_dict(updated)
     mask = after.completion_mask_BC == 1
     out["max_diff_after"] = float(
@@ -175,11 +171,11 @@ def _generator_rank(rdv, model_dir: str, vllm_python: str) -> dict:
         )
         out["eos_ids"] = gen.eos_token_ids
         out["mixed"] = mixed
-        torch.save(mixed, Path(rdv.tmpdir, "mixed.pt"))
+        publish(rdv, "mixed.pt", mixed)
 
         after = gen.generate(prompts, samples_per_prompt=2, max_new_tokens=24)  # no sync
         out["after"] = after
-        torch.save(after, Path(rdv.tmpdir, "after.pt"))
+        publish(rdv, "after.pt", after)
 
         # A between_steps that raises abandons the call; the connection stays in step.
         def abandon() -> None:
