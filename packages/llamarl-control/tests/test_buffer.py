@@ -188,6 +188,27 @@ def test_close_wakes_every_waiter_and_later_waits_fail_at_once():
     assert len(full) == 1 and full.counts.taken == 0
 
 
+def test_waiting_for_markers_calls_on_wait_until_the_markers_arrive():
+    """A checkpoint's wait for the generators' markers calls `on_wait` too, without the lock: a generator
+    whose engine was replaced asks for weights there before it can pause and send its marker (without
+    it, the trainer waited for the marker and the generator for the weights). The second call here
+    stands for that generator: its marker arrives once it was answered."""
+    buffer = RolloutBuffer(capacity_groups=2, max_policy_lag=1)
+    calls: list[int] = []
+
+    def on_wait() -> None:
+        calls.append(buffer.counts.markers)  # takes the lock: it would deadlock were the lock held
+        if len(calls) == 2:
+            buffer.note_marker()
+
+    buffer.wait_for_markers(1, timeout_s=5.0, on_wait=on_wait, poll_s=0.05)
+    assert calls == [0, 0] and buffer.counts.markers == 1
+    buffer.wait_for_markers(1, timeout_s=5.0, on_wait=on_wait, poll_s=0.05)  # already there: no call
+    assert calls == [0, 0]
+    with pytest.raises(BufferTimeout):
+        buffer.wait_for_markers(2, timeout_s=0.2, on_wait=on_wait, poll_s=0.05)
+
+
 def test_a_waiting_take_calls_on_wait_every_poll_and_takes_what_it_puts():
     """While a take waits it calls `on_wait` every `poll_s`, without the buffer's lock: there the trainer
     answers requests for weights. Here the third call delivers the group the take waits for."""

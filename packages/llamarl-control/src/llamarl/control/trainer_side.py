@@ -316,7 +316,12 @@ class TrainerSide(Side):
                 control.request_pause(kind, version)
                 if kind == "checkpoint":  # every generator sent all it had: the channel is empty
                     with drain_errors():
-                        buffer.wait_for_markers(markers, timeout_s=cfg.launch.timeout_s)
+                        # A generator whose engine died asks for weights before it can pause.
+                        buffer.wait_for_markers(
+                            markers,
+                            timeout_s=cfg.launch.timeout_s,
+                            on_wait=lambda: self.loop.answer_weight_requests(control),
+                        )
                 self.in_stream_pause(kind, version)
                 buffer.hold(False)
 

@@ -132,12 +132,30 @@ class RolloutBuffer:
             self.counts.markers += 1
             self._cond.notify_all()
 
-    def wait_for_markers(self, total: int, *, timeout_s: float) -> None:
-        """Waits until `total` markers arrived in all (cumulative over the run)."""
+    def wait_for_markers(
+        self,
+        total: int,
+        *,
+        timeout_s: float,
+        on_wait: Callable[[], None] | None = None,
+        poll_s: float = 0.25,
+    ) -> None:
+        """Waits until `total` markers arrived in all (cumulative over the run). While waiting, calls
+        `on_wait` every `poll_s` seconds without holding the buffer's lock (as `take`: a generator whose
+        engine was replaced must get its weights before it can reach the pause and send its marker)."""
         deadline = time.monotonic() + timeout_s
-        with self._cond:
-            while self.counts.markers < total:
-                self._wait(deadline, f"{total - self.counts.markers} generators' checkpoint markers")
+        while True:
+            with self._cond:
+                if self.counts.markers >= total:
+                    return
+                wait_until = deadline if on_wait is None else min(deadline, time.monotonic() + poll_s)
+                self._wait(
+                    deadline, f"{total - self.counts.markers} generators' checkpoint markers", wait_until
+                )
+                if self.counts.markers >= total:
+                    return
+            if on_wait is not None:
+                on_wait()
 
     def state(self) -> dict:
         """What a checkpoint keeps: every buffered group's tensors, in order, and the counts."""
