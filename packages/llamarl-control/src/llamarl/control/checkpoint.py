@@ -170,6 +170,9 @@ class CheckpointWriter:
             if self.rank == 0:
                 self._commit(tmp, final)
                 self._prune()
+        # Nobody goes on before the commit: a rank that fails right after (its next tick) would have
+        # torch elastic stop rank 0 mid-commit, and the checkpoint every rank wrote would be lost.
+        dist.barrier()
         return final
 
     @contextmanager
