@@ -227,3 +227,30 @@ def test_a_waiting_take_calls_on_wait_every_poll_and_takes_what_it_puts():
     assert tags(taken) == [7] and calls == [0, 0, 0]
     # Between two calls the take waited a poll (a lower bound: no machine is too fast for it).
     assert all(later - earlier >= 0.04 for earlier, later in itertools.pairwise(times)), times
+
+
+def test_a_checkpointed_buffer_restores_its_groups_counts_and_group_size():
+    buffer = RolloutBuffer(capacity_groups=4, max_policy_lag=1)
+    buffer.put(groups(1, 2), timeout_s=WAIT_S)
+    buffer.note_marker()
+    state = buffer.state()
+    restored = RolloutBuffer(capacity_groups=4, max_policy_lag=1)
+    restored.restore(state)
+    assert len(restored) == 2 and restored.counts.markers == 1
+    assert vars(restored.counts) == vars(buffer.counts)
+    taken = restored.take(2, current_version=0, timeout_s=WAIT_S)
+    assert (
+        tags(taken) == [1, 2]
+        and taken.group_size == buffer.take(2, current_version=0, timeout_s=WAIT_S).group_size
+    )
+
+
+def test_a_holding_buffer_takes_puts_beyond_its_capacity_without_waiting():
+    # While the run pauses (a checkpoint) the generators' sends must never wait on the trainer.
+    buffer = RolloutBuffer(capacity_groups=1, max_policy_lag=1)
+    buffer.hold(True)
+    buffer.put(groups(1, 2, 3), timeout_s=0.01)
+    assert len(buffer) == 3
+    buffer.hold(False)
+    with pytest.raises(BufferTimeout):
+        buffer.put(groups(4), timeout_s=0.05)

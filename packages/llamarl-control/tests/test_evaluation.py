@@ -101,3 +101,25 @@ def test_waiting_ranks_wait_as_long_as_the_evaluation_makes_progress_and_no_long
     with pytest.raises(TimeoutError, match="no progress for 0 s"):
         EvalProgress(store, 2).wait(1, timeout_s=0.5, poll_s=0.02)
     assert 0.4 < time.monotonic() - start < 3
+
+
+def test_progress_counts_one_per_beat_at_most_every_beat_s_and_one_per_done():
+    from llamarl.control.evaluation import EvalProgress
+
+    store = _Counters()
+    progress = EvalProgress(store, 7)  # the default: at most one beat a second
+    progress.beat()
+    progress.beat()  # within the second: not counted
+    assert store.values == {"eval/7/progress": 1}
+    fast = EvalProgress(store, 7, beat_s=0.0)
+    fast.beat()
+    fast.beat()
+    progress.done()
+    assert store.values == {"eval/7/progress": 3, "eval/7/done": 1}
+    # Everyone done: the wait returns at once, also with no progress at all, and says what it waits on.
+    EvalProgress(store, 7).wait(1, timeout_s=0.0, poll_s=10.0)
+    with pytest.raises(TimeoutError) as error:
+        EvalProgress(store, 8).wait(1, timeout_s=0.1, poll_s=0.02)
+    assert str(error.value) == (
+        "the evaluation made no progress for 0 s (launch.timeout_s): a generator is stuck or gone"
+    )
