@@ -29,25 +29,9 @@ def save_tiny_model(tmp_path_factory):
     chat template, saved as a transformers folder; `sizes` override `llamarl.exec.models.tiny_model`'s."""
 
     def save(name: str, **sizes) -> Path:
-        from transformers import AutoTokenizer
+        from llamarl.exec.testing import save_tiny_chat_model
 
-        from llamarl.exec.models import smollm2_path, tiny_model
-
-        tokenizer = AutoTokenizer.from_pretrained(smollm2_path())
-        model = tiny_model(
-            len(tokenizer),
-            max_position_embeddings=1024,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-            tie_word_embeddings=True,
-            seed=0,
-            **sizes,
-        )
-        path = tmp_path_factory.mktemp(name)
-        model.save_pretrained(path)
-        tokenizer.save_pretrained(path)
-        return path
+        return save_tiny_chat_model(tmp_path_factory.mktemp(name), **sizes)
 
     return save
 

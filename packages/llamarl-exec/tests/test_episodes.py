@@ -13,7 +13,7 @@ import torch
 from llamarl.exec.config import SamplingConfig
 from llamarl.exec.episodes import ChatGlue, Episode, EpisodeLimits, episodes_to_batch, run_episodes
 from llamarl.exec.hf_generator import HFGenerator
-from llamarl.exec.testing import FeedbackEnvironment, build_trainer
+from llamarl.exec.testing import FeedbackEnvironment, build_trainer, save_tiny_chat_model
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -21,24 +21,7 @@ pytestmark = pytest.mark.timeout(240)
 @pytest.fixture(scope="module")
 def chat_model_dir(tmp_path_factory) -> Path:
     """A 2-layer random Llama with SmolLM2's real tokenizer and chat template."""
-    from transformers import AutoTokenizer
-
-    from llamarl.exec.models import smollm2_path, tiny_model
-
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_path())
-    model = tiny_model(
-        len(tokenizer),
-        max_position_embeddings=1024,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=True,
-        seed=0,
-    )
-    path = tmp_path_factory.mktemp("chat_model")
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return save_tiny_chat_model(tmp_path_factory.mktemp("chat_model"))
 
 
 @pytest.fixture(scope="module")

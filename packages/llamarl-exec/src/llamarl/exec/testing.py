@@ -102,6 +102,29 @@ def vllm_python_for_tests() -> str:
         pytest.fail(f"{e}; from a llamarl checkout: bash tools/setup_vllm_env.sh", pytrace=False)
 
 
+def save_tiny_chat_model(path: str | os.PathLike[str], **sizes) -> Path:
+    """A small random Llama (seed 0) with SmolLM2's real tokenizer and chat template, saved as a
+    transformers folder at `path`; `sizes` override `llamarl.exec.models.tiny_model`'s."""
+    from transformers import AutoTokenizer
+
+    from llamarl.exec.models import smollm2_path, tiny_model
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path())
+    model = tiny_model(
+        len(tokenizer),
+        max_position_embeddings=1024,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=True,
+        seed=0,
+        **sizes,
+    )
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return Path(path)
+
+
 def build_trainer(model: str, *, temperature: float = 1.0, total_steps: int = 1, **settings):
     """A `PolicyTrainer` for tests, its `TrainerConfig` and `AlgorithmConfig` fields given flat beside
     the trainer's runtime arguments (device, compute_dtype, seed, group), e.g.
