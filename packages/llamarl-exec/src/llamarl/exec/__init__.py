@@ -21,6 +21,11 @@ _EXPORTS = {
     "WeightsNotSyncedError": "vllm_generator",
     "PolicyTrainer": "trainer",
     "ProcessRewarder": "reward_pool",
+    "RewardModelScorer": "reward_model",
+    "LLMJudge": "reward_model",
+    "RewardModelError": "reward_model",
+    "build_model_rewarder": "reward_model",
+    "RewardModelConfig": "config",
     "AlgorithmConfig": "config",
     "GeneratorConfig": "config",
     "RewardConfig": "config",
@@ -35,6 +40,7 @@ _EXPORTS = {
     "load_model_and_tokenizer": "models",
     "smollm2_path": "models",
     "tiny_model": "models",
+    "tiny_reward_model": "models",
 }
 
 __all__ = [
@@ -45,9 +51,13 @@ __all__ = [
     "Generator",
     "GeneratorConfig",
     "HFGenerator",
+    "LLMJudge",
     "PolicyTrainer",
     "ProcessRewarder",
     "RewardConfig",
+    "RewardModelConfig",
+    "RewardModelError",
+    "RewardModelScorer",
     "Rewarder",
     "RolloutBatch",
     "SamplingConfig",
@@ -55,6 +65,7 @@ __all__ = [
     "TrainerConfig",
     "VLLMGenerator",
     "WeightsNotSyncedError",
+    "build_model_rewarder",
     "extract_gsm8k_answer",
     "get_reward_fn",
     "gsm8k_reward",
@@ -63,6 +74,7 @@ __all__ = [
     "math_reward",
     "smollm2_path",
     "tiny_model",
+    "tiny_reward_model",
 ]
 
 if TYPE_CHECKING:
@@ -70,11 +82,13 @@ if TYPE_CHECKING:
         AlgorithmConfig,
         GeneratorConfig,
         RewardConfig,
+        RewardModelConfig,
         SamplingConfig,
         TrainerConfig,
     )
     from llamarl.exec.hf_generator import HFGenerator
-    from llamarl.exec.models import load_model_and_tokenizer, smollm2_path, tiny_model
+    from llamarl.exec.models import load_model_and_tokenizer, smollm2_path, tiny_model, tiny_reward_model
+    from llamarl.exec.reward_model import LLMJudge, RewardModelError, RewardModelScorer, build_model_rewarder
     from llamarl.exec.reward_pool import ProcessRewarder
     from llamarl.exec.rewards import (
         REWARD_FNS,
