@@ -31,9 +31,11 @@ from llamarl.control.channels.stream import Pause, RolloutOutbox, StreamControl
 from llamarl.control.config import ScheduleConfig
 from llamarl.control.in_flight import InFlightRequest
 from llamarl.control.prompts import PromptSource, PromptStream
+from llamarl.control.reward_scoring import add_model_rewards
 from llamarl.control.timeline import Timeline
 from llamarl.exec import EngineError, EngineLost
-from llamarl.exec.config import SamplingConfig
+from llamarl.exec.config import RewardModelConfig, SamplingConfig
+from llamarl.exec.reward_model import ModelRewarder
 from llamarl.exec.types import GenerationPaused, Generator, PauseGeneration, Rewarder, RolloutBatch
 
 
@@ -64,8 +66,13 @@ class GeneratorLoop:
         sample_log: TextIO | None = None,
         before_request: Callable[[int], None] | None = None,
         replace_engines: bool = False,
+        reward_model: ModelRewarder | None = None,
+        reward_model_config: RewardModelConfig | None = None,
     ) -> None:
         self.generator = generator
+        # Colocated: the reward model scores in this rank, after the rule rewards, in sequence.
+        self.reward_model = reward_model
+        self.reward_model_config = reward_model_config
         self.rewarder = rewarder
         self.prompts = prompts
         self.source = source
@@ -178,6 +185,18 @@ class GeneratorLoop:
         start = time.perf_counter()
         with self.timeline.phase("score", self.tick):
             batch.rewards_B = torch.tensor(self.rewarder.score(texts, references), dtype=torch.float32)
+        if self.reward_model is not None:
+            with self.timeline.phase("reward_model", self.tick):
+                _, model_s = add_model_rewards(
+                    batch,
+                    scorer=self.reward_model,
+                    config=self.reward_model_config,
+                    source=self.source,
+                    index_of=self.prompts.index,
+                    texts=texts,
+                )
+            self.totals["reward_model_s_total"] += model_s
+            self.totals["reward_model_samples_total"] += batch.num_sequences
         score_s = time.perf_counter() - start
         self._log_samples(batch, positions, texts)
         self.totals["busy_s_total"] += score_s

@@ -107,7 +107,7 @@ def launch(config: RunConfig, train_examples: list[Example], eval_examples: list
     except KeyboardInterrupt:  # before torch elastic took over the signals
         raise _interrupted(output_dir, signal.SIGINT) from None
     except ChildFailedError as e:
-        raise _first_failure(errors_dir, e, memory, output_dir) from None
+        raise _first_failure(errors_dir, e, memory, output_dir, config) from None
     summary = results[0]
     # The ranks measured their own run; the whole command also pays for process start and model loads.
     summary["wall_s"] = time.perf_counter() - start
@@ -197,7 +197,11 @@ def _default_threads(config: RunConfig) -> int:
 
 
 def _first_failure(
-    errors_dir: Path, error: ChildFailedError, memory: MemoryWatch | None, output_dir: Path
+    errors_dir: Path,
+    error: ChildFailedError,
+    memory: MemoryWatch | None,
+    output_dir: Path,
+    config: RunConfig | None = None,
 ) -> RunFailed | RunInterrupted:
     """The failure that started it: a rank killed by a signal, else the earliest recorded error.
 
@@ -209,7 +213,10 @@ def _first_failure(
     # A rank that died without raising (killed, out of memory, segfault) recorded nothing.
     for rank, failure in sorted(error.failures.items()):
         if rank not in records and failure.exitcode < 0 and failure.signal_name() != "SIGTERM":
-            return RunFailed(describe_killed(rank, failure.pid, failure.signal_name(), memory), rank=rank)
+            line = describe_killed(rank, failure.pid, failure.signal_name(), memory)
+            if config is not None:  # which executor died: "rank 3 (reward) died ..."
+                line = line.replace(f"rank {rank} ", f"rank {rank} ({config.role_of(rank)}) ", 1)
+            return RunFailed(line, rank=rank)
     failed = [r for r in records.values() if not r.get("interrupted")]
     if failed:
         first = min(failed, key=lambda r: r["time"])
