@@ -105,3 +105,36 @@ def test_a_killed_reward_rank_fails_the_run_in_one_line(tiny_model_dir, tiny_rew
     assert f"rank {REWARD_RANK} (reward) died (SIGKILL)" in lines[-1], result.stderr[-3000:]
     print(lines[-1])
     assert elapsed < 120, elapsed
+
+
+@pytest.mark.timeout(400)
+def test_a_run_with_a_reward_rank_resumes_to_the_same_weights(
+    tiny_model_dir, tiny_reward_model_dir, tmp_path
+):
+    """Async, 3 steps; the trainer fails at tick 2 and torch elastic restarts every rank from the
+    checkpoint of tick 1, when the reward rank holds batch 1 scored and not yet forwarded."""
+    from safetensors.torch import load_file
+
+    def run(out: Path, *extra: str, env: dict[str, str] | None = None):
+        args = reward_args(tiny_model_dir, tiny_reward_model_dir, out, "async")
+        args[args.index("--steps") + 1] = "3"
+        args.remove("--no-save-model")
+        result = run_app("arith_rl", *args, *extra, env=env)
+        assert result.returncode == 0, result.stderr[-4000:]
+        return result
+
+    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
+    run(reference)
+    run(resumed, "--checkpoint-every", "1", "--max-restarts", "1", env={"LLAMARL_FAULT": "0:2"})
+    assert json.loads((resumed / "errors" / "injected_fault.json").read_text())["rank"] == 0
+    summary = json.loads((resumed / "summary.json").read_text())
+    assert summary["resumed_from_step"] == 1 and summary["final_policy_version"] == 3
+    scores = [
+        (out / f"reward_scores.rank{REWARD_RANK}.jsonl").read_text().splitlines()
+        for out in (reference, resumed)
+    ]
+    assert scores[0] == scores[1] and len(scores[0]) == 3 * 2 * 2
+    a, b = (load_file(out / "final_model" / "model.safetensors") for out in (reference, resumed))
+    assert not [name for name in a if not (a[name] == b[name]).all()]
+    start = load_file(tiny_model_dir / "model.safetensors")
+    assert any(not (start[k] == a[k]).all() for k in start if k in a), "training did not change the weights"

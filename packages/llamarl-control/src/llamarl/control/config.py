@@ -213,11 +213,6 @@ class RunConfig(ConfigSection):
                 f"ranks.num_reward_ranks ({ranks.num_reward_ranks}) must not exceed ranks.num_generators "
                 f"({ranks.num_generators}): each reward rank serves whole generators"
             )
-        if ranks.num_reward_ranks and (self.checkpoint.every or self.checkpoint.resume):
-            raise ValueError(
-                "checkpoints (checkpoint.every, checkpoint.resume) do not cover reward ranks yet; run with "
-                "ranks.num_reward_ranks=0 (the reward model colocated with the generators) to checkpoint"
-            )
         if self.world_size % launch.nnodes:
             raise ValueError(
                 f"{self.world_size} ranks cannot be spread evenly over launch.nnodes={launch.nnodes}"

@@ -165,11 +165,15 @@ class GeneratorSide(Side):
         # A checkpoint of an async run's last tick holds no rollouts in flight; a longer run needs them,
         # so they are made now (by the restored policy: lag 0 for that one batch).
         cfg = self.config
-        if (
-            cfg.schedule.mode == "async"
-            and self._pending is None
-            and 0 < self.start_tick <= cfg.schedule.steps
-        ):
+        if not (cfg.schedule.mode == "async" and 0 < self.start_tick <= cfg.schedule.steps):
+            return
+        if self.reward_rank is not None:
+            # The batch in flight, if any, waits on the reward rank, which says whether it has one.
+            held = torch.zeros(1, dtype=torch.int64)
+            dist.recv(held, self.reward_rank)
+            if not int(held):
+                send_rollouts(*self.loop.make_batch(self.start_tick - 1), dst=self.reward_rank)
+        elif self._pending is None:
             self._pending = self.loop.make_batch(self.start_tick - 1)
 
     # ----------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ import json
 import threading
 from typing import Any, TextIO
 
+import torch
 import torch.distributed as dist
 
 from llamarl.control import checkpoint as ckpt
@@ -67,13 +68,44 @@ class RewardSide(Side):
         # No weight channel: the reward model's weights never come from the trainer.
         path = self.output_dir / f"reward_scores.rank{self.rank}.jsonl"
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        self.scores_log = path.open("w", encoding="utf-8")
+        if self.resumed is not None:  # lines written after the checkpoint are made again, so cut them
+            ckpt.truncate(path, self.resumed.rank_state["scores_bytes"])
+        self.scores_log = path.open("a" if self.resumed is not None else "w", encoding="utf-8")
 
     def restore(self, resume: ckpt.Resume) -> None:
-        raise RuntimeError("reward ranks do not resume from checkpoints yet")  # refused by RunConfig
+        mine = resume.rank_state
+        self._pending = [
+            (g, RolloutBatch(group_size=group_size, **tensors), metrics)
+            for g, tensors, group_size, metrics in mine["pending"]
+        ]
+        for g, totals in mine["totals"].items():
+            self.totals[int(g)] = dict(totals)
 
     def checkpoint_state(self) -> dict[str, Any]:
-        return {}
+        self.scores_log.flush()
+        return {
+            # async mode: the batches scored at the end of a tick, forwarded at the next one
+            "pending": [(g, b.tensors(), b.group_size, m) for g, b, m in self._pending],
+            "totals": self.totals,
+            "scores_bytes": self.scores_log.tell(),
+        }
+
+    def after_resume(self) -> None:
+        # Mirrors GeneratorSide.after_resume: a checkpoint of an async run's last tick holds no batch in
+        # flight; a longer run needs one, so each generator makes it now. Only this rank knows whether
+        # it holds a generator's batch, so it tells each generator (1: held, 0: make one and send it).
+        cfg = self.config
+        if not (cfg.schedule.mode == "async" and 0 < self.start_tick <= cfg.schedule.steps):
+            return
+        held = {g for g, _, _ in self._pending}
+        for g in self.my_generators:
+            dist.send(torch.tensor([int(g in held)]), g)
+            if g not in held:
+                batch, metrics = recv_rollouts(src=g)
+                assert isinstance(batch, RolloutBatch)
+                self._pending.append((g, batch, self._score(g, batch, metrics, self.start_tick - 1)))
+        order = {g: i for i, g in enumerate(self.my_generators)}
+        self._pending.sort(key=lambda item: order[item[0]])
 
     def _score(
         self, generator: int, batch: RolloutBatch, metrics: dict[str, float], tick: int
