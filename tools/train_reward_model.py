@@ -29,10 +29,13 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 
-# The reward model's own chat template: the conversation only (SmolLM2's adds a system prompt).
+# The reward model's own chat template: the conversation only (SmolLM2's adds a system prompt), and
+# nothing after the last <|im_end|>. That token is also the pad token, so the classifier pools the last
+# token of the completion (where the answer is), not a newline after it: the answer is then one
+# attention hop from the reference, which a few minutes of training can learn.
 CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}"
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>"
+    "{% if not loop.last %}{{ '\\n' }}{% endif %}{% endfor %}"
 )
 
 TEMPLATES = (
@@ -91,7 +94,8 @@ def policy_completions(model_dir: str, task, examples, count: int, max_new_token
 
 
 def texts_of(tokenizer, rows: list[tuple[str, str, float]]) -> list[str]:
-    """The conversation as the reward model reads it (`RewardModelScorer.texts`)."""
+    """The conversation as the reward model reads it (`RewardModelScorer.texts`); the question is
+    already reference-guided when the model is (`--with-reference`)."""
     return [
         tokenizer.apply_chat_template(
             [{"role": "user", "content": q}, {"role": "assistant", "content": c}], tokenize=False
@@ -129,12 +133,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--lr", type=float, default=3e-5)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--from-scratch", action="store_true", help="a small random classifier, not SmolLM2's layers"
+    )
+    p.add_argument("--hidden-size", type=int, default=128, help="with --from-scratch")
+    p.add_argument(
+        "--with-reference",
+        action="store_true",
+        help="a reference-guided reward model (run it with reward_model.with_reference = true)",
+    )
     args = p.parse_args(argv)
 
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from llamarl.control.tasks import TASKS, load_examples
-    from llamarl.exec.models import smollm2_path
+    from llamarl.exec.models import smollm2_path, tiny_reward_model
+    from llamarl.exec.reward_model import reference_guided
     from llamarl.exec.rewards import extract_gsm8k_answer
 
     torch.manual_seed(args.seed)
@@ -156,23 +170,44 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     train_rows = written(train)
     if args.policy_samples:
-        sampled = policy_completions(base, task, train, args.policy_samples, args.max_new_tokens, args.seed)
+        # Sampling is the slow part on a CPU: kept next to the model folder for the next try.
+        cache = args.out.parent / f"policy_samples_{args.task}_{args.policy_samples}.json"
+        if cache.is_file():
+            sampled = [tuple(row) for row in json.loads(cache.read_text())]
+        else:
+            sampled = policy_completions(
+                base, task, train, args.policy_samples, args.max_new_tokens, args.seed
+            )
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            cache.write_text(json.dumps(sampled))
         print(
             f"policy samples: {len(sampled)}, right {sum(r[2] for r in sampled) / len(sampled):.2f}",
             flush=True,
         )
         train_rows += sampled
     test_rows = written(test)
+    if args.with_reference:  # the question as the scorer shows it: followed by the reference answer
+        by_question = {ex.question: ex.reference for ex in [*train, *test]}
+        train_rows = [(reference_guided(q, by_question[q]), c, y) for q, c, y in train_rows]
+        test_rows = [(reference_guided(q, by_question[q]), c, y) for q, c, y in test_rows]
     rng.shuffle(train_rows)
     tokenizer = AutoTokenizer.from_pretrained(base)
     tokenizer.padding_side = "right"
     tokenizer.chat_template = CHAT_TEMPLATE
-    model = AutoModelForSequenceClassification.from_pretrained(
-        base, num_labels=1, num_hidden_layers=args.layers
-    )
+    if args.from_scratch:
+        # A small classifier with random weights (SmolLM2's tokenizer): fast steps, so many of them.
+        model = tiny_reward_model(
+            len(tokenizer), hidden_size=args.hidden_size, intermediate_size=2 * args.hidden_size,
+            num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
+            pad_token_id=tokenizer.pad_token_id, seed=args.seed,
+        )  # fmt: skip
+    else:
+        model = AutoModelForSequenceClassification.from_pretrained(
+            base, num_labels=1, num_hidden_layers=args.layers
+        )
+        # The embeddings (a third of the weights) stay as they are: faster, little to gain on a CPU budget.
+        model.get_input_embeddings().weight.requires_grad_(False)
     model.config.pad_token_id = tokenizer.pad_token_id
-    # The embeddings (a third of the weights) stay as they are: faster, and little to gain on a CPU budget.
-    model.get_input_embeddings().weight.requires_grad_(False)
     before = accuracy(model, tokenizer, test_rows)
     print(
         f"held-out accuracy before: {before:.3f} ({len(test_rows)} texts of {len(test)} questions)",
@@ -208,8 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     model.save_pretrained(args.out)
     tokenizer.save_pretrained(args.out)
     record = {
-        "task": args.task, "base": base, "layers": args.layers, "train_texts": len(train_rows),
-        "steps": steps,
+        "task": args.task, "base": "scratch" if args.from_scratch else base, "layers": args.layers,
+        "with_reference": args.with_reference, "train_texts": len(train_rows), "steps": steps,
         "heldout_accuracy_before": before, "heldout_accuracy_after": after,
         "seconds": time.perf_counter() - start,
     }  # fmt: skip

@@ -136,3 +136,10 @@ def test_rule_and_model_rewards_combine_with_their_weights():
     config = RewardModelConfig(path="unused", weight=0.5, rule_weight=2.0)
     combined = combine_rewards(torch.tensor([1.0, 0.0]), torch.tensor([-2.0, 4.0]), config)
     assert combined.dtype == torch.float32 and combined.tolist() == [1.0, 2.0]
+
+
+def test_a_reference_guided_classifier_reads_the_reference_after_the_question(classifier_dir):
+    scorer = RewardModelScorer(RewardModelConfig(path=str(classifier_dir), with_reference=True))
+    with scorer:
+        texts = scorer.texts(QUESTIONS, COMPLETIONS, REFERENCES)
+    assert "How much is 9 plus 1?\n\nReference answer: 10" in texts[2]

@@ -134,6 +134,9 @@ class RewardModelConfig(ConfigSection):
     """reward = rule_weight x rule reward + weight x model score"""
     rule_weight: float = 1.0
     """weight of the task's rule reward in the combined reward (0: the reward model alone)"""
+    with_reference: bool = False
+    """classifier: show the task's reference answer to the reward model (after the question, as
+    "Reference answer: ..."); a reference-guided reward model only has to compare answers"""
     squash: bool = False
     """classifier: a sigmoid on the logit (a probability in [0, 1], on the rule rewards' scale)"""
     precision: Literal["auto", "fp32", "bf16"] = "auto"

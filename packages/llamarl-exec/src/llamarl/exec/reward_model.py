@@ -6,7 +6,7 @@ completion text and the reference answer, and return one float per sample:
 - `RewardModelScorer` (kind "classifier"): a transformers `AutoModelForSequenceClassification` with one
   label; the text is the conversation [user: question, assistant: completion] through the reward
   model's own chat template (plain "question\\n\\ncompletion" without one), the score its logit (or the
-  logit's sigmoid with `squash`).
+  logit's sigmoid with `squash`). With `with_reference` the user turn also shows the reference answer.
 - `LLMJudge` (kind "judge"): a generative model asked whether the answer is right; the score is
   P(yes) / (P(yes) + P(no)) of its next token.
 
@@ -29,6 +29,12 @@ JUDGE_PROMPT = (
     "Here is a question and an answer to it.\n\nQuestion: {question}\n\nAnswer: {completion}\n\n"
     "{reference}Is the answer correct? Reply with yes or no."
 )
+
+
+def reference_guided(question: str, reference: str) -> str:
+    """The user turn a reference-guided classifier reads (`with_reference`): the question, then the
+    reference answer."""
+    return f"{question}\n\nReference answer: {reference}"
 
 
 class RewardModelError(RuntimeError):
@@ -156,6 +162,8 @@ class RewardModelScorer(_HFScorer):
         return model
 
     def texts(self, questions: list[str], completions: list[str], references: list[str]) -> list[str]:
+        if self.config.with_reference:
+            questions = [reference_guided(q, r) for q, r in zip(questions, references, strict=True)]
         return [
             self._chat(
                 [{"role": "user", "content": q}, {"role": "assistant", "content": c}], generation_prompt=False
