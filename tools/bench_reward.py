@@ -76,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples-per-prompt", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--output-dir", type=Path, default=Path("runs/bench_reward"))
+    p.add_argument(
+        "--from-runs", action="store_true", help="run nothing: read the runs already in --output-dir"
+    )
     p.add_argument("extra", nargs=argparse.REMAINDER, help="after --: more app flags for every run")
     args = p.parse_args(argv)
     args.extra = [a for a in args.extra if a != "--"]
@@ -83,7 +86,12 @@ def main(argv: list[str] | None = None) -> int:
     for placement in args.placements:
         for mode in args.modes:
             out = args.output_dir / f"{mode}_{placement}"
-            summary = run(mode, placement, args, out)
+            if args.from_runs:
+                if not (out / "summary.json").is_file():
+                    continue
+                summary = json.loads((out / "summary.json").read_text())
+            else:
+                summary = run(mode, placement, args, out)
             rows[f"{mode}/{placement}"] = {
                 "step_s": summary["step_time_s"],
                 "scoring_s": summary["reward_model_scoring_s"] / summary["steps"],
