@@ -13,6 +13,7 @@ _EXPORTS = {
     "RolloutBatch": "types",
     "Generator": "types",
     "Rewarder": "types",
+    "ModelRewarder": "types",
     "Trainer": "types",
     "HFGenerator": "hf_generator",
     "VLLMGenerator": "vllm_generator",
@@ -52,6 +53,7 @@ __all__ = [
     "GeneratorConfig",
     "HFGenerator",
     "LLMJudge",
+    "ModelRewarder",
     "PolicyTrainer",
     "ProcessRewarder",
     "RewardConfig",
@@ -99,7 +101,7 @@ if TYPE_CHECKING:
         math_reward,
     )
     from llamarl.exec.trainer import PolicyTrainer
-    from llamarl.exec.types import Generator, Rewarder, RolloutBatch, Trainer
+    from llamarl.exec.types import Generator, ModelRewarder, Rewarder, RolloutBatch, Trainer
     from llamarl.exec.vllm_client import EngineError, EngineLost
     from llamarl.exec.vllm_generator import VLLMGenerator, WeightsNotSyncedError
 

@@ -10,8 +10,9 @@ completion text and the reference answer, and return one float per sample:
 - `LLMJudge` (kind "judge"): a generative model asked whether the answer is right; the score is
   P(yes) / (P(yes) + P(no)) of its next token.
 
-The weights are the model's own: they never come from the trainer. A score that is NaN or infinite is
-a `RewardModelError` naming the sample (a broken reward model must stop the run, not train on garbage).
+Both implement `llamarl.exec.types.ModelRewarder`. The weights are the model's own: they never come
+from the trainer. A score that is NaN or infinite is a `RewardModelError` naming the sample (a broken
+reward model must stop the run, not train on garbage).
 
 Shape legend: N texts in a forward pass, L their padded token length.
 """
@@ -19,11 +20,21 @@ Shape legend: N texts in a forward pass, L their padded token length.
 from __future__ import annotations
 
 import math
-from typing import Protocol
 
 import torch
 
 from llamarl.exec.config import RewardModelConfig
+from llamarl.exec.types import ModelRewarder
+
+__all__ = [
+    "LLMJudge",
+    "ModelRewarder",
+    "RewardModelError",
+    "RewardModelScorer",
+    "build_model_rewarder",
+    "combine_rewards",
+    "reference_guided",
+]
 
 JUDGE_PROMPT = (
     "Here is a question and an answer to it.\n\nQuestion: {question}\n\nAnswer: {completion}\n\n"
@@ -40,16 +51,6 @@ def reference_guided(question: str, reference: str) -> str:
 class RewardModelError(RuntimeError):
     """A reward model that cannot score (a NaN or infinite score, a model that does not fit its kind);
     the message is one line naming the sample."""
-
-
-class ModelRewarder(Protocol):
-    """Scores samples with a model; `setup()` loads it, `close()` frees it."""
-
-    def setup(self) -> None: ...
-
-    def score(self, questions: list[str], completions: list[str], references: list[str]) -> list[float]: ...
-
-    def close(self) -> None: ...
 
 
 def resolve_device_and_dtype(config: RewardModelConfig, rank_device: str = "cpu") -> tuple[str, torch.dtype]:
