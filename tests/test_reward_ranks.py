@@ -44,12 +44,16 @@ def reward_args(model: Path, reward_model: Path, out: Path, mode: str) -> list[s
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("mode", ["sync", "async", "stream"])
+@pytest.mark.parametrize(("mode", "generators"), [("sync", 1), ("async", 1), ("stream", 2)])
 def test_reward_rank_scores_between_generator_and_trainer(
-    tiny_model_dir, tiny_reward_model_dir, tmp_path, mode
+    tiny_model_dir, tiny_reward_model_dir, tmp_path, mode, generators
 ):
+    """Stream mode with two generators: one reward rank forwards both streams to the trainer, told apart
+    by their tags."""
     out = tmp_path / mode
-    result = run_app("arith_rl", *reward_args(tiny_model_dir, tiny_reward_model_dir, out, mode))
+    reward_rank = 1 + generators
+    args = reward_args(tiny_model_dir, tiny_reward_model_dir, out, mode)
+    result = run_app("arith_rl", *args, "--num-generators", str(generators))
     assert result.returncode == 0, result.stderr[-4000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["num_reward_ranks"] == 1
@@ -57,7 +61,7 @@ def test_reward_rank_scores_between_generator_and_trainer(
     assert summary["reward_model_scoring_s"] > 0 and summary["reward_model_samples_per_s"] > 0
     # The reward rank scored every sample the trainer took (stream mode may score more than it trains).
     scores = [
-        json.loads(line) for line in (out / f"reward_scores.rank{REWARD_RANK}.jsonl").read_text().splitlines()
+        json.loads(line) for line in (out / f"reward_scores.rank{reward_rank}.jsonl").read_text().splitlines()
     ]
     assert summary["reward_model_samples"] == len(scores) >= 2 * 2 * 2
     for record in scores:  # reward = rule reward (0 or 1) + 0.5 x the model's score
@@ -72,9 +76,9 @@ def test_reward_rank_scores_between_generator_and_trainer(
             assert step["train/reward_mean"] == pytest.approx(sum(rewards) / len(rewards), abs=1e-5)
             assert step["reward_model/samples"] == len(rewards)
     spans, roles = read_chrome_trace(out / "trace.json")
-    assert roles[REWARD_RANK] == f"rank {REWARD_RANK} reward {REWARD_RANK}"
-    assert {s.name for s in spans[REWARD_RANK]} >= {"reward_model"}
-    assert not any(s.name == "weight_sync" for s in spans[REWARD_RANK])  # its weights are its own
+    assert roles[reward_rank] == f"rank {reward_rank} reward {reward_rank}"
+    assert {s.name for s in spans[reward_rank]} >= {"reward_model"}
+    assert not any(s.name == "weight_sync" for s in spans[reward_rank])  # its weights are its own
 
 
 @pytest.mark.timeout(300)
