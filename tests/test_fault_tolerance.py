@@ -203,7 +203,9 @@ def test_kill_during_a_checkpoint_write_resumes_from_the_previous_checkpoint(
     # SIGKILL of the trainer inside the write of checkpoint 3 (tick 2), after its files are written
     # and before the commit.
     result = run_app(*args, env={"LLAMARL_FAULT": "0:2:kill:checkpoint"})
-    assert result.returncode == 1 and "rank 0 died (SIGKILL)" in result.stderr, result.stderr[-4000:]
+    assert result.returncode == 1 and "rank 0 (trainer) died (SIGKILL)" in result.stderr, result.stderr[
+        -4000:
+    ]
     fault = json.loads((out / "errors" / "injected_fault.json").read_text())
     assert fault["phase"] == "checkpoint"
     names = sorted(p.name for p in (out / "checkpoints").iterdir())

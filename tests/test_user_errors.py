@@ -177,7 +177,7 @@ def test_a_rank_killed_by_the_out_of_memory_killer_is_reported_as_such(tiny_mode
     lines = [line for line in result.stderr.splitlines() if line.strip() and "rl steps" not in line]
     assert len(lines) == 1, lines
     assert lines[0].startswith(
-        "gsm8k_rl: rank 0 died (SIGKILL): the kernel's out-of-memory killer killed it ("
+        "gsm8k_rl: rank 0 (trainer) died (SIGKILL): the kernel's out-of-memory killer killed it ("
     ), lines
     assert "Killed process" in lines[0] and "MB with its engines and workers" in lines[0], lines
 

@@ -109,3 +109,18 @@ def test_report_is_drawn_from_the_files_of_a_run(tmp_path):
 def test_a_folder_without_a_finished_run_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"no summary\.json"):
         load_run(tmp_path)
+
+
+def test_overlap_fraction_counts_shared_time_once():
+    from llamarl.control.timeline import Span, overlap_fraction
+
+    scoring = [Span("reward_model", 0.0, 4.0, 0), Span("reward_model", 10.0, 12.0, 1)]
+    # 1..3 and 2..3.5 overlap each other: 1..3.5 shared with the first span; 11..20 with the second
+    generating = [
+        Span("generate", 1.0, 3.0, 0),
+        Span("generate", 2.0, 3.5, 0),
+        Span("generate", 11.0, 20.0, 1),
+    ]
+    assert overlap_fraction(scoring, generating) == pytest.approx((2.5 + 1.0) / 6.0)
+    assert overlap_fraction(scoring, []) == 0.0
+    assert overlap_fraction([], generating) != overlap_fraction([], generating)  # nan

@@ -22,6 +22,7 @@ from llamarl.exec.config import (
     ConfigSection,
     GeneratorConfig,
     RewardConfig,
+    RewardModelConfig,
     SamplingConfig,
     TrainerConfig,
 )
@@ -101,6 +102,10 @@ class RanksConfig(ConfigSection):
     """trainer ranks 0..N-1 (FSDP2 over them when N > 1, or on CUDA); the first one logs"""
     num_generators: int = Field(1, ge=1)
     """generator ranks N..N+G-1 (data-parallel replicas, each scoring its own samples)"""
+    num_reward_ranks: int = Field(0, ge=0)
+    """reward-model ranks N+G..N+G+R-1, after the generators: each scores the batches of every R-th
+    generator with reward_model.path and forwards them to the trainer (0: the reward model, if any,
+    runs colocated in each generator rank)"""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto: CUDA when present; on CUDA every rank gets a GPU of its own (its local rank's), a vLLM
     generator rank's engine runs on it"""
@@ -196,6 +201,7 @@ class RunConfig(ConfigSection):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     generator: GeneratorConfig = Field(default_factory=GeneratorConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
+    reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig)
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
     ranks: RanksConfig = Field(default_factory=RanksConfig)
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
@@ -223,6 +229,13 @@ class RunConfig(ConfigSection):
                     f"schedule.prompts_per_step ({schedule.prompts_per_step}) must be a multiple of "
                     f"{name} ({count}){whole}"
                 )
+        if ranks.num_reward_ranks and self.reward_model.path is None:
+            raise ValueError("ranks.num_reward_ranks > 0 needs a reward model: set reward_model.path")
+        if ranks.num_reward_ranks > ranks.num_generators:
+            raise ValueError(
+                f"ranks.num_reward_ranks ({ranks.num_reward_ranks}) must not exceed ranks.num_generators "
+                f"({ranks.num_generators}): each reward rank serves whole generators"
+            )
         if self.world_size % launch.nnodes:
             raise ValueError(
                 f"{self.world_size} ranks cannot be spread evenly over launch.nnodes={launch.nnodes}"
@@ -259,7 +272,27 @@ class RunConfig(ConfigSection):
 
     @property
     def world_size(self) -> int:
-        return self.ranks.num_trainers + self.ranks.num_generators
+        return self.ranks.num_trainers + self.ranks.num_generators + self.ranks.num_reward_ranks
+
+    @property
+    def reward_ranks(self) -> list[int]:
+        """The reward ranks, after the trainers and the generators."""
+        first = self.ranks.num_trainers + self.ranks.num_generators
+        return list(range(first, first + self.ranks.num_reward_ranks))
+
+    def role_of(self, rank: int) -> str:
+        """The executor on `rank`: trainer, generator or reward."""
+        if rank < self.ranks.num_trainers:
+            return "trainer"
+        return "reward" if rank in self.reward_ranks else "generator"
+
+    def reward_rank_of(self, generator_rank: int) -> int | None:
+        """The reward rank that scores `generator_rank`'s batches (generators dealt out in turn), or None
+        without reward ranks."""
+        if not self.ranks.num_reward_ranks:
+            return None
+        index = generator_rank - self.ranks.num_trainers
+        return self.reward_ranks[index % self.ranks.num_reward_ranks]
 
     @property
     def output_dir(self) -> Path:

@@ -31,10 +31,12 @@ from llamarl.control.channels.stream import Pause, RolloutOutbox, StreamControl
 from llamarl.control.config import ScheduleConfig
 from llamarl.control.in_flight import InFlightRequest
 from llamarl.control.prompts import PromptSource, PromptStream
+from llamarl.control.reward_scoring import add_model_rewards
 from llamarl.control.sampler import EpisodeSetup, TaskSampler
 from llamarl.control.timeline import Timeline
 from llamarl.exec import EngineError, EngineLost
-from llamarl.exec.config import SamplingConfig
+from llamarl.exec.config import RewardModelConfig, SamplingConfig
+from llamarl.exec.reward_model import ModelRewarder
 from llamarl.exec.types import GenerationPaused, Generator, PauseGeneration, Rewarder, RolloutBatch
 
 
@@ -67,8 +69,13 @@ class GeneratorLoop:
         before_request: Callable[[int], None] | None = None,
         replace_engines: bool = False,
         episodes: EpisodeSetup | None = None,
+        reward_model: ModelRewarder | None = None,
+        reward_model_config: RewardModelConfig | None = None,
     ) -> None:
         self.generator = generator
+        # Colocated: the reward model scores in this rank, after the rule rewards, in sequence.
+        self.reward_model = reward_model
+        self.reward_model_config = reward_model_config
         self.rewarder = rewarder
         self.prompts = prompts
         self.source = source
@@ -177,6 +184,20 @@ class GeneratorLoop:
             self.totals["reward_failures_total"] += self.rewarder.num_failures - failures_before
         self.totals["episodes_dropped_total"] += sampled.episodes_dropped
         batch.prompt_position_B = torch.tensor(positions, dtype=torch.int64).repeat_interleave(G)
+        if self.reward_model is not None:
+            assert self.reward_model_config is not None
+            with self.timeline.phase("reward_model", self.tick):
+                _, model_s = add_model_rewards(
+                    batch,
+                    scorer=self.reward_model,
+                    config=self.reward_model_config,
+                    source=self.source,
+                    index_of=self.prompts.index,
+                    texts=texts,
+                )
+            self.totals["reward_model_s_total"] += model_s
+            self.totals["reward_model_samples_total"] += batch.num_sequences
+            score_s += model_s
         self._log_samples(batch, positions, texts)
         self.totals["generate_s_total"] += generate_s
         self.totals["busy_s_total"] += generate_s + score_s

@@ -27,6 +27,7 @@ from llamarl.control.sampler import EpisodeSetup, TaskSampler
 from llamarl.control.schedule import Tick
 from llamarl.control.side import Side
 from llamarl.exec import HFGenerator, ProcessRewarder, VLLMGenerator
+from llamarl.exec.reward_model import build_model_rewarder
 from llamarl.exec.types import Generator, RolloutBatch
 
 EVAL_CHUNK = 32  # prompts per greedy generate call during evaluation
@@ -38,6 +39,7 @@ class GeneratorSide(Side):
     # Built by setup(); None until then, so that close() after a partial setup releases what exists.
     generator: Generator | None = None
     rewarder: ProcessRewarder | None = None
+    reward_model = None  # the reward model, when colocated (no reward ranks)
     samples: TextIO | None = None
 
     @property
@@ -53,6 +55,11 @@ class GeneratorSide(Side):
         if self.task.reward_functions:
             self.rewarder = ProcessRewarder(self.task.reward_functions, self.config.reward)
             self.rewarder.setup()
+        cfg = self.config
+        self.reward_rank = cfg.reward_rank_of(self.rank)  # where this rank's batches go to be scored
+        if cfg.reward_model.path is not None and self.reward_rank is None:
+            self.reward_model = build_model_rewarder(cfg.reward_model, rank_device=str(self.device))
+            self.reward_model.setup()
         self.train_prompts = TaskPrompts(self.task, self.train_examples, self.tokenizer)
         self.eval_prompts = TaskPrompts(self.task, self.eval_examples, self.tokenizer)
         self.episodes = self._episode_setup()
@@ -129,6 +136,8 @@ class GeneratorSide(Side):
             before_request=self._strike_at_request,
             replace_engines=cfg.replaces_engines,
             episodes=self.episodes,
+            reward_model=self.reward_model,
+            reward_model_config=cfg.reward_model,
         )
 
     def _strike_at_request(self, request: int) -> None:
@@ -166,8 +175,15 @@ class GeneratorSide(Side):
 
     def generate(self, tick: Tick) -> None:
         self._pending = self.loop.make_batch(tick.index)
+        if self.reward_rank is not None:
+            # Handed to the reward rank now, not at the next move: it scores while this rank goes on
+            # (async: while the trainer trains and this rank samples the next batch).
+            send_rollouts(*self._pending, dst=self.reward_rank)
+            self._pending = None
 
     def move_rollouts(self, tick: Tick) -> None:
+        if self.reward_rank is not None:
+            return  # the reward rank forwards the batch it scored
         assert self._pending is not None, "no batch to send"
         send_rollouts(*self._pending, dst=FIRST_TRAINER_RANK)
         self._pending = None
@@ -180,11 +196,15 @@ class GeneratorSide(Side):
         # A checkpoint of an async run's last tick holds no rollouts in flight; a longer run needs them,
         # so they are made now (by the restored policy: lag 0 for that one batch).
         cfg = self.config
-        if (
-            cfg.schedule.mode == "async"
-            and self._pending is None
-            and 0 < self.start_tick <= cfg.schedule.steps
-        ):
+        if not (cfg.schedule.mode == "async" and 0 < self.start_tick <= cfg.schedule.steps):
+            return
+        if self.reward_rank is not None:
+            # The batch in flight, if any, waits on the reward rank, which says whether it has one.
+            held = torch.zeros(1, dtype=torch.int64)
+            dist.recv(held, self.reward_rank)
+            if not int(held):
+                send_rollouts(*self.loop.make_batch(self.start_tick - 1), dst=self.reward_rank)
+        elif self._pending is None:
             self._pending = self.loop.make_batch(self.start_tick - 1)
 
     # ----------------------------------------------------------------------------------------------
@@ -193,10 +213,10 @@ class GeneratorSide(Side):
     def run_stream(self) -> None:
         """Samples back to back and sends groups to the first trainer rank's buffer until it stops the run."""
         control = StreamControl(self.store)
+        # To the trainer's buffer, through this rank's reward rank if there are reward ranks.
+        dst = FIRST_TRAINER_RANK if self.reward_rank is None else self.reward_rank
         outbox = RolloutOutbox(
-            lambda batch, metrics: send_rollouts(
-                batch, metrics, dst=FIRST_TRAINER_RANK, group=self.rollout_group
-            ),
+            lambda batch, metrics: send_rollouts(batch, metrics, dst=dst, group=self.rollout_group),
             timeout_s=self.config.launch.timeout_s,
         )
         dist.barrier()  # the first trainer rank set the shared counters
@@ -247,6 +267,6 @@ class GeneratorSide(Side):
         return [sum(scores[q * samples : (q + 1) * samples]) / samples for q in range(len(indices))]
 
     def close(self) -> None:
-        for part in (self.rewarder, self.generator, self.samples):
+        for part in (self.rewarder, self.reward_model, self.generator, self.samples):
             if part is not None:
                 part.close()

@@ -155,7 +155,7 @@ def launch(
     except KeyboardInterrupt:  # before torch elastic took over the signals
         raise _interrupted(output_dir, signal.SIGINT) from None
     except ChildFailedError as e:
-        raise _first_failure(errors_dir, e, memory, output_dir, since=started_at) from None
+        raise _first_failure(errors_dir, e, memory, output_dir, config, since=started_at) from None
     except RendezvousError as e:
         raise RunFailed(
             _rendezvous_failure(config, endpoint, e, formed=_ranks_started(log_dir)), rank=None
@@ -404,7 +404,13 @@ def _default_threads(config: RunConfig) -> int:
 
 
 def _first_failure(
-    errors_dir: Path, error: ChildFailedError, memory: MemoryWatch | None, output_dir: Path, *, since: float
+    errors_dir: Path,
+    error: ChildFailedError,
+    memory: MemoryWatch | None,
+    output_dir: Path,
+    config: RunConfig | None = None,
+    *,
+    since: float = 0.0,
 ) -> RunFailed | RunInterrupted:
     """The failure that started it: a rank killed by a signal, a machine lost, else the earliest recorded
     error (records older than `since`, the launch, are another run's).
@@ -417,7 +423,10 @@ def _first_failure(
     # A rank that died without raising (killed, out of memory, segfault) recorded nothing.
     for rank, failure in sorted(error.failures.items()):
         if rank not in records and failure.exitcode < 0 and failure.signal_name() != "SIGTERM":
-            return RunFailed(describe_killed(rank, failure.pid, failure.signal_name(), memory), rank=rank)
+            line = describe_killed(rank, failure.pid, failure.signal_name(), memory)
+            if config is not None:  # which executor died: "rank 3 (reward) died ..."
+                line = line.replace(f"rank {rank} ", f"rank {rank} ({config.role_of(rank)}) ", 1)
+            return RunFailed(line, rank=rank)
     failed = [r for r in records.values() if not r.get("interrupted")]
     if failed:
         first = min(failed, key=lambda r: r["time"])

@@ -19,6 +19,7 @@ from llamarl.control.timeline import read_chrome_trace
 PHASE_COLORS = {
     "generate": "tab:blue",
     "score": "tab:cyan",
+    "reward_model": "tab:olive",
     "train": "tab:orange",
     "weight_sync": "tab:red",
     "rollouts": "tab:purple",

@@ -1,10 +1,11 @@
 """What every rank runs, whichever side it is on: the lifecycle and the steps both sides take part in.
 
 A run has two sides: the trainer ranks 0..N-1 (`llamarl.control.trainer_side`) and the generator ranks
-N..N+G-1 (`llamarl.control.generator_side`). Each rank holds one `Side`. The steps where ranks of both
-sides meet (process groups created, the weight channel's address, the tick schedule, evaluations,
-checkpoints, the trace) run here, in the same order on every rank (SPMD); each side fills in its own part
-of them:
+N..N+G-1 (`llamarl.control.generator_side`), and with a reward model on ranks of its own a third: the
+reward ranks N+G..N+G+R-1 (`llamarl.control.reward_side`). Each rank holds one `Side`. The steps where
+ranks of every side meet (process groups created, the weight channel's address, the tick schedule,
+evaluations, checkpoints, the trace) run here, in the same order on every rank (SPMD); each side fills
+in its own part of them:
 
     setup()      seed, tokenizer, the trainer ranks' group, build_executors(), the weight channel's
                  address, the checkpoint to resume from, open_channels(), restore()
@@ -63,7 +64,10 @@ class Side:
         self.rank = rank
         self.world_size = config.world_size
         self.trainer_ranks = list(range(config.ranks.num_trainers))
-        self.generator_ranks = list(range(config.ranks.num_trainers, self.world_size))
+        self.generator_ranks = list(
+            range(config.ranks.num_trainers, config.ranks.num_trainers + config.ranks.num_generators)
+        )
+        self.reward_ranks = config.reward_ranks  # after the generators; none by default
         self.output_dir = config.output_dir
         self.timeline = Timeline()  # this rank's phases, gathered into OUTPUT_DIR/trace.json at the end
         self.faults = FaultInjector(rank, self.output_dir)
@@ -170,7 +174,11 @@ class Side:
         # tensors go over NCCL and its CPU bookkeeping over gloo (llamarl.control.devices).
         self.trainer_group = dist.new_group(self.trainer_ranks, backend=group_backend(self.device))
         self.build_executors()
-        address = weight_channel_address(self.rank, self.world_size, weight_sync_backend(cfg))
+        # Reward ranks take part in choosing the address but never join the weight channel: a reward
+        # model's weights are its own.
+        address = weight_channel_address(
+            self.rank, len(self.trainer_ranks) + len(self.generator_ranks), weight_sync_backend(cfg)
+        )
         self.checkpoints = None
         if cfg.checkpoint.every or cfg.checkpoint.resume:
             self.checkpoints = ckpt.RunCheckpoints(
@@ -187,7 +195,8 @@ class Side:
             # Generators stream rollouts to the first trainer rank on a group of their own, so those
             # transfers never interleave with the default group's relays and collectives.
             self.rollout_group = dist.new_group(
-                [FIRST_TRAINER_RANK, *self.generator_ranks], timeout=timedelta(seconds=cfg.launch.timeout_s)
+                [FIRST_TRAINER_RANK, *self.generator_ranks, *self.reward_ranks],
+                timeout=timedelta(seconds=cfg.launch.timeout_s),
             )
         if self.resumed is not None:
             self.start_tick = self.resumed.run_state["tick"]  # stream mode: the step (= policy_version)
@@ -378,6 +387,8 @@ class Side:
                 ("trainer" if len(self.trainer_ranks) == 1 else f"trainer {r}")
                 if r in self.trainer_ranks
                 else f"generator {r}"
+                if r in self.generator_ranks
+                else f"reward {r}"
                 for r in range(self.world_size)
             ]
             write_chrome_trace(self.output_dir / "trace.json", gathered, roles)

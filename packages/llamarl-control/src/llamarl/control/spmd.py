@@ -1,6 +1,6 @@
 """What every rank runs (SPMD): pick this rank's side, build it, run it, tear it down.
 
-    rank r ──▶ r < num_trainers ? TrainerSide : GeneratorSide
+    rank r ──▶ TrainerSide (r < N), GeneratorSide (N <= r < N+G) or RewardSide (the reward ranks after)
                side.setup()    models, executors, channels, the resumed checkpoint
                side.run()      the schedule (llamarl.control.schedule), evaluations, checkpoints
                side.close()    always, even after a failure
@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from llamarl.control.config import RunConfig
 from llamarl.control.generator_side import GeneratorSide
+from llamarl.control.reward_side import RewardSide
 from llamarl.control.side import Side
 from llamarl.control.trainer_side import TrainerSide
 
@@ -24,7 +25,12 @@ from llamarl.control.trainer_side import TrainerSide
 def run_rank(config: RunConfig, train_rows: list[dict], eval_rows: list[dict]) -> dict[str, Any] | None:
     """Runs this rank's side of the job; returns the summary on the first trainer rank, None elsewhere."""
     rank = dist.get_rank()
-    kind = TrainerSide if rank < config.ranks.num_trainers else GeneratorSide
+    if rank < config.ranks.num_trainers:
+        kind: type[Side] = TrainerSide
+    elif rank in config.reward_ranks:
+        kind = RewardSide
+    else:
+        kind = GeneratorSide
     side: Side = kind(config, train_rows, eval_rows, rank=rank)
     try:
         side.setup()

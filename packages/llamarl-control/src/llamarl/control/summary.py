@@ -41,6 +41,7 @@ def build_summary(
         "steps": len(records),
         "num_trainers": config.ranks.num_trainers,
         "num_generators": config.ranks.num_generators,
+        "num_reward_ranks": config.ranks.num_reward_ranks,
         "wall_s": run_s,  # replaced by the launcher with the whole command's wall time
         "run_s": run_s,  # evaluations and training on the ranks, after setup
         "loop_s": loop_s,  # the training ticks alone (evaluations inside the loop excluded)
@@ -59,6 +60,7 @@ def build_summary(
         "engine_restarts": sum(_finite(r.get("generator/engine_restarts") for r in records)),
         "weight_sync_failures": sync_failures,
         "sampled_groups": sum(_finite(r.get("sampling/groups") for r in records)),
+        **reward_model_summary(config, records),
         **({"stream": stream_counts} if stream_counts else {}),
         "eval_size": eval_size,
         **eval_summary(evaluations),
@@ -67,6 +69,21 @@ def build_summary(
         # every process of every rank (ranks, vLLM engines, reward workers) and, once the launcher adds
         # itself, the launcher: per process and summed
         **memory_summary(memory),
+    }
+
+
+def reward_model_summary(config: RunConfig, records: list[dict[str, float]]) -> dict[str, Any]:
+    """The reward model's scoring time and throughput over the steps (none without a reward model)."""
+    if config.reward_model.path is None:
+        return {}
+    seconds = sum(_finite(r.get("time/reward_model_s") for r in records))
+    samples = sum(_finite(r.get("reward_model/samples") for r in records))
+    return {
+        "reward_model": config.reward_model.path,
+        "reward_model_placement": "reward ranks" if config.ranks.num_reward_ranks else "colocated",
+        "reward_model_scoring_s": seconds,  # summed over reward ranks (or generators, colocated)
+        "reward_model_samples": samples,
+        "reward_model_samples_per_s": samples / seconds if seconds > 0 else float("nan"),
     }
 
 

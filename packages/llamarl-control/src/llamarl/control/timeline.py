@@ -101,3 +101,33 @@ def read_chrome_trace(path: Path) -> tuple[dict[int, list[Span]], dict[int, str]
         elif e["name"] == "process_name":
             roles[e["pid"]] = e["args"]["name"]
     return spans, roles
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Disjoint, sorted intervals covering the same time as `intervals`."""
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def overlap_fraction(spans: list[Span], others: list[Span]) -> float:
+    """The fraction of the time in `spans` during which some span of `others` ran too (nan when
+    `spans` take no time): e.g. how much of the reward ranks' scoring happened while generators
+    generated."""
+    mine, theirs = _union([(s.start, s.end) for s in spans]), _union([(s.start, s.end) for s in others])
+    total = sum(end - start for start, end in mine)
+    if total <= 0:
+        return float("nan")
+    shared, j = 0.0, 0
+    for start, end in mine:
+        while j < len(theirs) and theirs[j][1] <= start:
+            j += 1
+        k = j
+        while k < len(theirs) and theirs[k][0] < end:
+            shared += min(end, theirs[k][1]) - max(start, theirs[k][0])
+            k += 1
+    return shared / total

@@ -62,6 +62,8 @@ class GeneratorStats:
             return {}
         idle = [1.0 - d["busy_s_total"] / d["alive_s_total"] for d in deltas if d["alive_s_total"] > 0]
         return {
+            "reward_model_s": sum(d["reward_model_s_total"] for d in deltas),
+            "reward_model_samples": sum(d["reward_model_samples_total"] for d in deltas),
             "generate_s": max(d["generate_s_total"] for d in deltas),
             "groups": sum(d["groups_total"] for d in deltas),
             "filtered": sum(d["filtered_total"] for d in deltas),
@@ -159,6 +161,7 @@ class TrainerLoop:
         tokens = whole.num_completion_tokens
         gen = self.generator_stats.step()
         generate_s = gen.get("generate_s", float("nan"))
+        reward_model_s = gen.get("reward_model_s", 0.0)
         return {
             "train/reward_mean": float(whole.rewards_B.mean()),
             "time/step_s": step_s,
@@ -177,6 +180,12 @@ class TrainerLoop:
             "generator/engine_restarts": gen.get("engine_restarts", float("nan")),
             "sampling/reward_failures": gen.get("reward_failures", float("nan")),
             "sampling/episodes_dropped": gen.get("episodes_dropped", float("nan")),
+            # the reward model (reward ranks, or colocated): scoring seconds and samples scored this step
+            "time/reward_model_s": reward_model_s,
+            "reward_model/samples": gen.get("reward_model_samples", 0.0),
+            "throughput/reward_model_samples_per_s": (
+                gen.get("reward_model_samples", 0.0) / reward_model_s if reward_model_s > 0 else float("nan")
+            ),
             "idle/trainer_frac": 1.0 - train_s / step_s if step_s == step_s and step_s > 0 else float("nan"),
             **staleness_histogram(whole, version, self.max_policy_lag),
             **{f"train/{k}": v for k, v in train_metrics.items()},

@@ -170,12 +170,18 @@ class TrainerSide(Side):
             return
         batches = []
         for r in self.generator_ranks:
-            batch, metrics = recv_rollouts(src=r)
+            batch, metrics = recv_rollouts(**self._rollout_source(r))
             assert batch is not None
             self.loop.generator_stats.update(r, metrics)
             batches.append(batch)
         whole = concat_rollouts(batches)
         self._received = (self._split_across_trainers(whole), whole)
+
+    def _rollout_source(self, generator: int) -> dict[str, int]:
+        """Where generator `generator`'s batches come from: the generator itself, or its reward rank
+        (which forwards several generators' batches, tagged by the generator's rank)."""
+        reward_rank = self.config.reward_rank_of(generator)
+        return {"src": generator} if reward_rank is None else {"src": reward_rank, "tag": generator}
 
     def _split_across_trainers(self, batch: RolloutBatch) -> RolloutBatch:
         """Sends trainer rank r its part r of `batch`; returns this rank's part. Rollouts are small next
@@ -267,7 +273,7 @@ class TrainerSide(Side):
             try:
                 discarded[0] += drain_into_buffer(
                     buffer,
-                    lambda: recv_rollouts(src=src, group=self.rollout_group),
+                    lambda: recv_rollouts(**self._rollout_source(src), group=self.rollout_group),
                     lambda metrics: self.loop.generator_stats.update(src, metrics),
                     timeout_s=cfg.launch.timeout_s,
                 )

@@ -13,6 +13,7 @@ _EXPORTS = {
     "RolloutBatch": "types",
     "Generator": "types",
     "Rewarder": "types",
+    "ModelRewarder": "types",
     "Trainer": "types",
     "HFGenerator": "hf_generator",
     "VLLMGenerator": "vllm_generator",
@@ -21,6 +22,11 @@ _EXPORTS = {
     "WeightsNotSyncedError": "vllm_generator",
     "PolicyTrainer": "trainer",
     "ProcessRewarder": "reward_pool",
+    "RewardModelScorer": "reward_model",
+    "LLMJudge": "reward_model",
+    "RewardModelError": "reward_model",
+    "build_model_rewarder": "reward_model",
+    "RewardModelConfig": "config",
     "AlgorithmConfig": "config",
     "GeneratorConfig": "config",
     "RewardConfig": "config",
@@ -36,6 +42,7 @@ _EXPORTS = {
     "load_model_and_tokenizer": "models",
     "smollm2_path": "models",
     "tiny_model": "models",
+    "tiny_reward_model": "models",
 }
 
 __all__ = [
@@ -45,10 +52,15 @@ __all__ = [
     "Generator",
     "GeneratorConfig",
     "HFGenerator",
+    "LLMJudge",
+    "ModelRewarder",
     "PolicyTrainer",
     "ProcessRewarder",
     "Reward",
     "RewardConfig",
+    "RewardModelConfig",
+    "RewardModelError",
+    "RewardModelScorer",
     "Rewarder",
     "RolloutBatch",
     "SamplingConfig",
@@ -56,6 +68,7 @@ __all__ = [
     "TrainerConfig",
     "VLLMGenerator",
     "WeightsNotSyncedError",
+    "build_model_rewarder",
     "extract_gsm8k_answer",
     "gsm8k_answer",
     "gsm8k_reward",
@@ -65,6 +78,7 @@ __all__ = [
     "math_reward",
     "smollm2_path",
     "tiny_model",
+    "tiny_reward_model",
 ]
 
 if TYPE_CHECKING:
@@ -72,11 +86,13 @@ if TYPE_CHECKING:
         AlgorithmConfig,
         GeneratorConfig,
         RewardConfig,
+        RewardModelConfig,
         SamplingConfig,
         TrainerConfig,
     )
     from llamarl.exec.hf_generator import HFGenerator
-    from llamarl.exec.models import load_model_and_tokenizer, smollm2_path, tiny_model
+    from llamarl.exec.models import load_model_and_tokenizer, smollm2_path, tiny_model, tiny_reward_model
+    from llamarl.exec.reward_model import LLMJudge, RewardModelError, RewardModelScorer, build_model_rewarder
     from llamarl.exec.reward_pool import ProcessRewarder
     from llamarl.exec.rewards import (
         Reward,
@@ -88,7 +104,7 @@ if TYPE_CHECKING:
         math_reward,
     )
     from llamarl.exec.trainer import PolicyTrainer
-    from llamarl.exec.types import Generator, Rewarder, RolloutBatch, Trainer
+    from llamarl.exec.types import Generator, ModelRewarder, Rewarder, RolloutBatch, Trainer
     from llamarl.exec.vllm_client import EngineError, EngineLost
     from llamarl.exec.vllm_generator import VLLMGenerator, WeightsNotSyncedError
 

@@ -159,3 +159,32 @@ class RewardConfig(ConfigSection):
     """worker processes per generator rank (answer checking is cheap next to generation)"""
     timeout_s: float = Field(10.0, gt=0)
     """per-sample deadline of the answer checker; a sample past it scores 0 and its worker is replaced"""
+
+
+class RewardModelConfig(ConfigSection):
+    """A reward model beside the rule rewards: a sequence classifier or an LLM judge, on reward ranks of
+    its own (ranks.num_reward_ranks) or, with none, colocated with each generator. Its weights never
+    come from the trainer."""
+
+    path: str | None = None
+    """transformers folder of the reward model (unset: rule rewards only)"""
+    kind: Literal["classifier", "judge"] = "classifier"
+    """classifier: a sequence classifier's logit on prompt + completion; judge: a generative model asked
+    whether the answer is correct, scored P(yes) / (P(yes) + P(no))"""
+    weight: float = 1.0
+    """reward = rule_weight x rule reward + weight x model score"""
+    rule_weight: float = 1.0
+    """weight of the task's rule reward in the combined reward (0: the reward model alone)"""
+    with_reference: bool = False
+    """classifier: show the task's reference answer to the reward model (after the question, as
+    "Reference answer: ..."); a reference-guided reward model only has to compare answers"""
+    squash: bool = False
+    """classifier: a sigmoid on the logit (a probability in [0, 1], on the rule rewards' scale)"""
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """the reward model's compute dtype (auto: bf16 on CUDA, fp32 on the CPU)"""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """the reward model's device (auto: the rank's)"""
+    batch_size: int = Field(16, ge=1)
+    """texts per forward pass"""
+    max_length: int = Field(1024, ge=8)
+    """tokens of prompt + completion kept (the end of longer texts: where the answer is)"""

@@ -197,3 +197,36 @@ def tiny_model(
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
     return model.to(dtype)
+
+
+def tiny_reward_model(
+    vocab_size: int = 128,
+    *,
+    hidden_size: int = 32,
+    intermediate_size: int = 64,
+    num_hidden_layers: int = 2,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    max_position_embeddings: int = 512,
+    pad_token_id: int = 0,
+    seed: int = 0,
+):
+    """A small LlamaForSequenceClassification with one label and random weights (seeded): a reward
+    model for tests, built from a config (no download)."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        max_position_embeddings=max_position_embeddings,
+        pad_token_id=pad_token_id,
+        num_labels=1,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForSequenceClassification(config)
+    return model

@@ -222,6 +222,17 @@ class Rewarder(Protocol):
     def close(self) -> None: ...
 
 
+class ModelRewarder(Protocol):
+    """Scores samples with a reward model (a sequence classifier, an LLM judge): one float per sample,
+    from the task's question, the completion text and the reference answer. Its weights are its own."""
+
+    def setup(self) -> None: ...
+
+    def score(self, questions: list[str], completions: list[str], references: list[str]) -> list[float]: ...
+
+    def close(self) -> None: ...
+
+
 class Trainer(Protocol):
     """Computes the loss on a RolloutBatch and takes one optimizer step per call.
 

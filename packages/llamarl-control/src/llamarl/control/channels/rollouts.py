@@ -25,6 +25,8 @@ GENERATOR_TOTALS = (
     "engine_restarts_total",  # dead engines replaced (stream mode with vLLM)
     "reward_failures_total",  # samples scored 0: a reward function raised, hung or killed its worker
     "episodes_dropped_total",  # multi-turn episodes dropped because their environment raised
+    "reward_model_s_total",  # seconds the reward model spent scoring this generator's samples
+    "reward_model_samples_total",  # samples of this generator the reward model scored
 )
 # Generator-side metrics that travel with each batch, in this order (a float64 tensor of length M).
 GENERATOR_METRICS = (
@@ -81,10 +83,12 @@ def send_rollouts(
     *,
     dst: int,
     group: dist.ProcessGroup | None = None,
+    tag: int = 0,
 ) -> None:
     """Sends `batch` and its generator metrics to rank `dst` (blocking) over `group` (default: the
     default group). `batch=None` sends the end of a stream and `CHECKPOINT_MARKER` a checkpoint marker:
-    only the metrics follow."""
+    only the metrics follow. `tag` tells apart streams between the same two ranks (a reward rank
+    forwards several generators' batches to the trainer: the tag is the generator's rank)."""
     tensors = batch.tensors() if isinstance(batch, RolloutBatch) else {}
     if isinstance(batch, RolloutBatch) and list(tensors) != list(_DTYPES):
         raise ValueError(f"RolloutBatch fields changed: {list(tensors)}; update llamarl.control.channels")
@@ -106,34 +110,35 @@ def send_rollouts(
         [float(metrics.get(k, float("nan"))) for k in GENERATOR_METRICS], dtype=torch.float64
     )
     try:
-        dist.send(header, dst, group=group)
+        dist.send(header, dst, group=group, tag=tag)
         for name, tensor in tensors.items():
-            dist.send(tensor.detach().to("cpu", _DTYPES[name]).contiguous(), dst, group=group)
-        dist.send(metric_values, dst, group=group)
+            dist.send(tensor.detach().to("cpu", _DTYPES[name]).contiguous(), dst, group=group, tag=tag)
+        dist.send(metric_values, dst, group=group, tag=tag)
     except Exception as e:
         raise ChannelError(f"sending rollouts to rank {dst} failed: {e}") from e
 
 
 def recv_rollouts(
-    *, src: int, group: dist.ProcessGroup | None = None
+    *, src: int, group: dist.ProcessGroup | None = None, tag: int = 0
 ) -> tuple[RolloutBatch | _CheckpointMarker | None, dict[str, float]]:
-    """Receives one batch (and its generator metrics) from rank `src`; raises ChannelError on timeout.
+    """Receives one batch (and its generator metrics) from rank `src` with `tag`; raises ChannelError
+    on timeout.
 
     The batch is None when `src` ended its stream (`send_rollouts(None, ...)`), `CHECKPOINT_MARKER` for
     a checkpoint marker.
     """
     try:
         header = torch.empty(_HEADER_LEN, dtype=torch.int64)
-        dist.recv(header, src, group=group)
+        dist.recv(header, src, group=group, tag=tag)
         num_sequences, prompt_len, completion_len, group_size = (int(v) for v in header)
         tensors = {}
         if num_sequences >= 0:
             for name, dtype in _DTYPES.items():
                 shape = _shape(name, num_sequences, prompt_len, completion_len)
                 tensors[name] = torch.empty(shape, dtype=dtype)
-                dist.recv(tensors[name], src, group=group)
+                dist.recv(tensors[name], src, group=group, tag=tag)
         metric_values = torch.empty(len(GENERATOR_METRICS), dtype=torch.float64)
-        dist.recv(metric_values, src, group=group)
+        dist.recv(metric_values, src, group=group, tag=tag)
     except Exception as e:
         raise ChannelError(f"receiving rollouts from rank {src} failed: {e}") from e
     metrics = dict(zip(GENERATOR_METRICS, metric_values.tolist(), strict=True))
