@@ -63,7 +63,12 @@ def test_reward_rank_scores_between_generator_and_trainer(
     scores = [
         json.loads(line) for line in (out / f"reward_scores.rank{reward_rank}.jsonl").read_text().splitlines()
     ]
-    assert summary["reward_model_samples"] == len(scores) >= 2 * 2 * 2
+    # The summary counts the samples of the batches the trainer took; in stream mode the reward rank may
+    # have scored more by the time the run stopped (groups arriving after the last step).
+    if mode == "stream":
+        assert 2 * 2 * 2 <= summary["reward_model_samples"] <= len(scores)
+    else:
+        assert summary["reward_model_samples"] == len(scores) >= 2 * 2 * 2
     for record in scores:  # reward = rule reward (0 or 1) + 0.5 x the model's score
         rule = record["reward"] - 0.5 * record["model_score"]
         assert min(abs(rule), abs(rule - 1.0)) < 1e-5, record
