@@ -161,72 +161,45 @@ def _convert_smollm2(gguf: Path, out_dir: Path) -> None:
     tokenizer.save_pretrained(out_dir)
 
 
-def tiny_model(
-    vocab_size: int = 128,
-    *,
-    hidden_size: int = 32,
-    intermediate_size: int = 64,
-    num_hidden_layers: int = 2,
-    num_attention_heads: int = 4,
-    num_key_value_heads: int = 2,
-    max_position_embeddings: int = 256,
-    bos_token_id: int = 1,
-    eos_token_id: int = 2,
-    pad_token_id: int = 0,
-    tie_word_embeddings: bool = False,
-    seed: int = 0,
-    dtype: torch.dtype = torch.float32,
-):
-    """A small LlamaForCausalLM with random weights (seeded), for tests and benchmarks: no download."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def tiny_model(vocab_size: int = 128, *, seed: int = 0, dtype: torch.dtype = torch.float32, **sizes):
+    """A small LlamaForCausalLM with random weights (seeded), for tests and benchmarks: no download.
+    `sizes`: LlamaConfig settings over `tiny_model_config`'s defaults (2 layers, hidden 32, ...)."""
+    from transformers import LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_hidden_layers,
-        num_attention_heads=num_attention_heads,
-        num_key_value_heads=num_key_value_heads,
-        max_position_embeddings=max_position_embeddings,
-        bos_token_id=bos_token_id,
-        eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id,
-        tie_word_embeddings=tie_word_embeddings,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
-    return model.to(dtype)
+    return _seeded(LlamaForCausalLM, tiny_model_config(vocab_size, **sizes), seed).to(dtype)
 
 
-def tiny_reward_model(
-    vocab_size: int = 128,
-    *,
-    hidden_size: int = 32,
-    intermediate_size: int = 64,
-    num_hidden_layers: int = 2,
-    num_attention_heads: int = 4,
-    num_key_value_heads: int = 2,
-    max_position_embeddings: int = 512,
-    pad_token_id: int = 0,
-    seed: int = 0,
-):
+def tiny_reward_model(vocab_size: int = 128, *, max_position_embeddings: int = 512, seed: int = 0, **sizes):
     """A small LlamaForSequenceClassification with one label and random weights (seeded): a reward
-    model for tests, built from a config (no download)."""
-    from transformers import LlamaConfig, LlamaForSequenceClassification
+    model for tests, built from a config (no download). `sizes`: as `tiny_model`'s."""
+    from transformers import LlamaForSequenceClassification
 
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_hidden_layers,
-        num_attention_heads=num_attention_heads,
-        num_key_value_heads=num_key_value_heads,
-        max_position_embeddings=max_position_embeddings,
-        pad_token_id=pad_token_id,
-        num_labels=1,
+    config = tiny_model_config(vocab_size, max_position_embeddings=max_position_embeddings, **sizes)
+    config.num_labels = 1
+    return _seeded(LlamaForSequenceClassification, config, seed)
+
+
+def tiny_model_config(vocab_size: int = 128, **settings):
+    """The LlamaConfig `tiny_model` builds (its defaults, `settings` over them), without weights."""
+    from transformers import LlamaConfig
+
+    defaults = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
     )
+    return LlamaConfig(vocab_size=vocab_size, **{**defaults, **settings})
+
+
+def _seeded(model_class, config, seed: int):
+    """`model_class(config)` with weights drawn from `seed`, leaving the caller's RNG as it was."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForSequenceClassification(config)
-    return model
+        return model_class(config)
