@@ -426,6 +426,48 @@ def test_stream_admission_holds_a_fast_generator_back_so_no_group_goes_stale():
     assert generator.policy_version == 6  # took the final weights before stopping
 
 
+class InterleavingStore(DictStore):
+    """Runs `between` once, right after the first counter write of the trainer's `consumed`: a generator
+    reading the counters while the trainer is half-way through updating them."""
+
+    def __init__(self, between) -> None:
+        super().__init__()
+        self.between = between
+        self.armed = False
+
+    def add(self, key: str, amount: int) -> int:
+        value = super().add(key, amount)
+        if self.armed and amount > 0:
+            self.armed = False
+            self.between()
+        return value
+
+
+@pytest.mark.parametrize(("ahead", "version"), [(4, 5), (2, 5), (2, 4), (6, 6), (3, 5), (4, 6)])
+def test_admission_read_in_the_middle_of_a_take_never_admits_a_group_that_would_go_stale(ahead, version):
+    """A generator at `version` asks for 2 groups (2 prompts a step, lag bound 1) while the trainer
+    records a take of 2 groups with `ahead` admitted and not yet consumed. Whatever it reads half-way,
+    it may refuse what it could have had (it retries) but never admit a group trained past the bound."""
+    decisions: list[bool] = []
+
+    def generator_asks(control: StreamControl) -> bool:
+        return control.admit(2, version=version, prompts_per_step=2, max_policy_lag=1)
+
+    store = InterleavingStore(lambda: decisions.append(generator_asks(control)))
+    control = StreamControl(store)
+    control.restore_counts({control._ADMITTED: 10 + ahead, control._CONSUMED: 10, control._TAKEN: 5})
+    store.armed = True
+    control.consumed(2)  # the batch that trains version 5 taken
+    assert len(decisions) == 1
+    if decisions[0]:  # admitted half-way: then also with the counters settled, so within the bound
+        control.release(2)
+    settled = generator_asks(control)
+    # Settled: 5 + 1 batches taken, `ahead - 2` groups ahead; the last new group trains at this version.
+    trained_at = 6 + (ahead - 2 + 2 - 1) // 2
+    assert settled == (trained_at - version <= 1)
+    assert not decisions[0] or settled, "admitted half-way a group the settled counters refuse"
+
+
 def test_the_buffer_drops_groups_older_than_the_lag_bound_and_counts_them():
     events: list[str] = []
     buffer = RolloutBuffer(capacity_groups=8, max_policy_lag=1)

@@ -132,6 +132,7 @@ class StreamControl:
         lag must stay within `max_policy_lag` (AReaL's bound on the versions in flight).
         """
         admitted = self.store.add(self._ADMITTED, groups)
+        # Groups consumed before batches taken: the reverse of `consumed`'s writes (see there).
         ahead = admitted - groups - self.store.add(self._CONSUMED, 0)
         trained_at = self.store.add(self._TAKEN, 0) + (ahead + groups - 1) // prompts_per_step
         if trained_at - version <= max_policy_lag:
@@ -145,8 +146,13 @@ class StreamControl:
 
     def consumed(self, groups: int) -> None:
         """Trainer: took a batch; `groups` groups left the buffer for it (taken or dropped as stale)."""
-        self.store.add(self._CONSUMED, groups)
+        # The batch count first: `admit` reads the groups consumed before the batches taken, so a
+        # generator reading between these two writes sees the new count of batches with the old count
+        # of groups, which places its groups later than they will be (a refusal, retried). The other
+        # order let it see the groups gone but not the batch, place its groups a version early and
+        # admit a group that then arrived too stale to train on (a stream run dropped one such group).
         self.store.add(self._TAKEN, 1)
+        self.store.add(self._CONSUMED, groups)
 
     def progress(self) -> int:
         """Batches the trainer took so far (a generator waiting for admission waits on this)."""
