@@ -279,8 +279,12 @@ def kernel_oom_line(log: str, pid: int, *, since_s: float | None) -> str | None:
     return None
 
 
-def describe_killed(rank: int, pid: int, signal_name: str, watch: MemoryWatch | None) -> str:
-    """One line for a rank that died of a signal, saying whether the out-of-memory killer did it."""
+def describe_killed(
+    rank: int, pid: int, signal_name: str, watch: MemoryWatch | None, *, role: str | None = None
+) -> str:
+    """One line for a rank that died of a signal, saying whether the out-of-memory killer did it, and
+    which executor it was when `role` is given ("rank 3 (reward) died ...")."""
+    who = f"rank {rank}" if role is None else f"rank {rank} ({role})"
     memory = ""
     if watch is not None and pid in watch.peak_rss_mb:
         memory = f"; it used {watch.peak_rss_mb[pid]:.0f} MB with its engines and workers"
@@ -289,7 +293,7 @@ def describe_killed(rank: int, pid: int, signal_name: str, watch: MemoryWatch | 
                 f", the machine had {watch.available_mb:.0f} of {watch.total_mb:.0f} MB free at the last look"
             )
     if signal_name != "SIGKILL":
-        return f"rank {rank} died ({signal_name}; pid {pid}{memory})"
+        return f"{who} died ({signal_name}; pid {pid}{memory})"
     advice = "; use fewer or shorter sequences per step, or more memory"
     log = kernel_log()
     line = (
@@ -297,20 +301,20 @@ def describe_killed(rank: int, pid: int, signal_name: str, watch: MemoryWatch | 
     )
     if line is not None:
         killer = f"the kernel's out-of-memory killer killed it ({line})"
-        return f"rank {rank} died (SIGKILL): {killer}{memory}{advice}"
+        return f"{who} died (SIGKILL): {killer}{memory}{advice}"
     before, after = (watch.oom_kills_at_start if watch else None), cgroup_oom_kills()
     if before is not None and after is not None and after > before:
         return (
-            f"rank {rank} died (SIGKILL): the kernel's out-of-memory killer killed {after - before} "
+            f"{who} died (SIGKILL): the kernel's out-of-memory killer killed {after - before} "
             f"process(es) of this run's memory cgroup meanwhile (pid {pid}){memory}{advice}"
         )
     if log is not None:
         return (
-            f"rank {rank} died (SIGKILL): not by the out-of-memory killer (none in the kernel log; "
+            f"{who} died (SIGKILL): not by the out-of-memory killer (none in the kernel log; "
             f"pid {pid}{memory})"
         )
     return (
-        f"rank {rank} died (SIGKILL; pid {pid}{memory}); the kernel log is not readable here to tell whether "
+        f"{who} died (SIGKILL; pid {pid}{memory}); the kernel log is not readable here to tell whether "
         "the out-of-memory killer did it"
     )
 

@@ -423,9 +423,8 @@ def _first_failure(
     # A rank that died without raising (killed, out of memory, segfault) recorded nothing.
     for rank, failure in sorted(error.failures.items()):
         if rank not in records and failure.exitcode < 0 and failure.signal_name() != "SIGTERM":
-            line = describe_killed(rank, failure.pid, failure.signal_name(), memory)
-            if config is not None:  # which executor died: "rank 3 (reward) died ..."
-                line = line.replace(f"rank {rank} ", f"rank {rank} ({config.role_of(rank)}) ", 1)
+            role = None if config is None else config.role_of(rank)
+            line = describe_killed(rank, failure.pid, failure.signal_name(), memory, role=role)
             return RunFailed(line, rank=rank)
     failed = [r for r in records.values() if not r.get("interrupted")]
     if failed:
