@@ -134,7 +134,27 @@ def test_vllm_logprobs_match_trainer_before_and_after_a_weight_sync(generator, t
         host="127.0.0.1", port=port, rank=1, world_size=2, timeout_s=120
     )
     assert num_tensors == len(dict(trainer.model.named_parameters()))  # tied lm_head counted once
-    assert generator.receive_weights(timeout_s=120) == 3
+
+    # The sync is taken in flight, but only once the engine has ended the generate and replied: the
+    # engine then loads version 3 after sampling every token at version 0, and the generate returns
+    # its batch at version 0 while the generator already holds 3 (this used to fail the call).
+    synced: list[int] = []
+
+    def sync_after_the_reply() -> None:
+        if synced:
+            return
+        wait_until(
+            lambda: generator.engine_policy_version() == 0 and generator._client._generate_reply is not None,
+            timeout_s=120,
+            what="the generate's reply, crossing a query",
+        )
+        synced.append(generator.receive_weights(timeout_s=120))
+
+    crossing = generator.generate(
+        prompts, samples_per_prompt=samples, max_new_tokens=MAX_NEW_TOKENS, between_steps=sync_after_the_reply
+    )
+    assert synced == [3] and generator.policy_version == 3
+    assert (crossing.token_version_BC[crossing.completion_mask_BC == 1] == 0).all()
     thread.join(timeout=60)
     assert not thread.is_alive() and not errors, errors
     assert generator.engine_policy_version() == 3

@@ -375,10 +375,15 @@ class VLLMGenerator:
             ),
             between_steps,
         )
-        if reply["policy_version"] != self.policy_version:
+        # The engine reports the version it served when the generate ended. A sync taken in flight may
+        # complete after that (the engine ends the generate, replies, then loads the weights the
+        # generator asked for meanwhile), so the generator can hold a newer version than the reply: any
+        # version from the call's start to now is the engine's own; anything else is not.
+        served, now = reply["policy_version"], self.policy_version
+        if served is None or now is None or not version_at_start <= served <= now:
             raise EngineError(
-                f"the engine serves policy_version {reply['policy_version']}, the generator expects "
-                f"{self.policy_version}"
+                f"the engine served policy_version {served}, the generator expects {version_at_start}"
+                + ("" if now == version_at_start else f" to {now}")
             )
         token_ids, logprobs, versions = reply["token_ids"], reply["logprobs"], reply["token_versions"]
         num_sequences = len(prompts) * samples_per_prompt
