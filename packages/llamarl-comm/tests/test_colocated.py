@@ -75,10 +75,11 @@ def _sync_worker(rank: int, world_size: int, rdv):
             sent.append({n: t.clone() for n, t in weights.items()})
             for t in weights.values():  # an optimizer step, in place
                 t.mul_(-2).add_(1)
-        held = sender.held_versions()
+        # A receiver reports what it holds after acknowledging the sync (which is what send waits for):
+        # read once each receiver is done.
         for r in (1, 2):
             group.get(f"test/done/{r}")
-        return {"sent": sent, "held": held}
+        return {"sent": sent, "held": sender.held_versions()}
     if rank == 1:  # in place
         weights = {n: torch.zeros_like(t) for n, t in _weights(0).items()}
         receiver = ColocatedReceiver(group, weights)
