@@ -275,7 +275,9 @@ def test_a_long_evaluation_never_trips_the_timeout_on_the_waiting_ranks(tiny_mod
     assert result.returncode == 0, result.stderr[-4000:]
     spans, _ = read_chrome_trace(out / "trace.json")
     waited = [s.end - s.start for s in spans[0] if s.name == "eval"]  # the trainer's waits
-    assert len(waited) == 2 and min(waited) > 15, f"the evaluations were too short to test it: {waited}"
+    # One wait past the deadline proves it; the last evaluation can be short (a trained tiny model may
+    # end its answers early: 34 s then 8 s was seen).
+    assert len(waited) == 2 and max(waited) > 15, f"the evaluations were too short to test it: {waited}"
 
 
 @pytest.mark.timeout(600)
