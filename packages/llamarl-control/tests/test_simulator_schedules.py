@@ -121,11 +121,28 @@ def test_stream_generator_bound(in_flight: bool) -> None:
     assert result.dropped_stale == 0
 
 
-def test_stream_trainer_bound_keeps_the_staleness_bound() -> None:
-    # The generator runs ahead until the buffer and its outbox are full; the trainer never trains on
-    # groups more than max_policy_lag versions old (it drops them).
+def test_stream_trainer_bound_admission_holds_the_generator_back_so_nothing_goes_stale() -> None:
+    # A fast generator, a slow trainer: admission control (as the controller's) starts a request only
+    # if its groups will be trained within max_policy_lag, so none is dropped.
     costs = ConstantCosts(generate=1, train=10, weight_sync=1)
     settings = StreamSettings(groups_per_step=4, groups_per_request=2, buffer_groups=8, max_policy_lag=1)
+    result = simulate_stream(8, costs, settings)
+    assert result.step_times[-1] == pytest.approx(10 + 1)
+    assert all(lag <= 1 for step in result.lags for lag in step)
+    assert result.dropped_stale == 0
+    produced = [s for s in result.spans if s.name == "generate" and s.end <= result.train_ends[0]]
+    # Before the first step ends, with version 0: the groups of steps 0 and 1 only (step 2's would
+    # train at version 2, two versions off).
+    assert len(produced) * 2 == 4 + 4
+
+
+def test_stream_without_admission_runs_ahead_and_drops_what_went_stale() -> None:
+    # The same run without admission control: the generator runs ahead until the buffer and its outbox
+    # are full; the trainer never trains on groups more than max_policy_lag versions old (it drops them).
+    costs = ConstantCosts(generate=1, train=10, weight_sync=1)
+    settings = StreamSettings(
+        groups_per_step=4, groups_per_request=2, buffer_groups=8, max_policy_lag=1, admission=False
+    )
     result = simulate_stream(8, costs, settings)
     assert result.step_times[-1] == pytest.approx(10 + 1)
     assert all(lag <= 1 for step in result.lags for lag in step)
@@ -189,8 +206,11 @@ def _group(version: int) -> RolloutBatch:
 @pytest.mark.parametrize("gen,train,lag", [(1.0, 10.0, 1), (1.0, 10.0, 2), (3.0, 2.0, 1), (2.0, 5.0, 0)])
 def test_stream_buffer_matches_the_controllers_rollout_buffer(gen: float, train: float, lag: int) -> None:
     # Replays the simulated puts into llamarl.control.channels.buffer.RolloutBuffer: every take gets the same
-    # groups (oldest first, within the staleness bound) and drops the same stale ones.
-    settings = StreamSettings(groups_per_step=4, groups_per_request=2, buffer_groups=8, max_policy_lag=lag)
+    # groups (oldest first, within the staleness bound) and drops the same stale ones (without
+    # admission control, so that some go stale).
+    settings = StreamSettings(
+        groups_per_step=4, groups_per_request=2, buffer_groups=8, max_policy_lag=lag, admission=False
+    )
     result = simulate_stream(8, ConstantCosts(generate=gen, train=train, weight_sync=0.5), settings)
     buffer = RolloutBuffer(capacity_groups=10_000, max_policy_lag=lag)
     takes = 0

@@ -11,7 +11,8 @@ gating in one place that tests can read without starting a process:
   policy version off, and the two halves run at the same time on their own ranks.
 
 `stream` mode has no ticks: generators sample back to back (`GeneratorLoop.stream`) into the first
-trainer rank's `RolloutBuffer`, from which the trainer takes its batches (`TrainerLoop.stream`).
+trainer rank's `RolloutBuffer`, from which the trainer takes its batches (`TrainerLoop.stream`); a
+request starts only when `stream_admits` says its groups will still be fresh enough to train on.
 """
 
 from __future__ import annotations
@@ -74,3 +75,19 @@ def lockstep_ticks(mode: str, steps: int, start_tick: int = 0) -> Iterator[Tick]
             yield Tick(t, tuple(phases), policy_version=t)
     else:
         raise ValueError(f"no lock-step schedule for mode {mode!r}")
+
+
+def stream_admits(
+    *, taken: int, ahead: int, groups: int, version: int, prompts_per_step: int, max_policy_lag: int
+) -> bool:
+    """Stream mode's admission rule (AReaL's bound on the versions in flight): may a generator holding
+    policy `version` start sampling `groups` more groups?
+
+    The trainer takes groups first in, first out, `prompts_per_step` a step, and the batch it takes
+    next trains at version `taken` (the batches taken so far). Behind `ahead` groups admitted and not
+    yet consumed, the last new group trains at `taken + (ahead + groups - 1) // prompts_per_step`; it
+    is admitted if that stays within `max_policy_lag` of `version` (the weights of its first token).
+    The controller (`StreamControl.admit`) and the simulator both decide by it.
+    """
+    trained_at = taken + (ahead + groups - 1) // prompts_per_step
+    return trained_at - version <= max_policy_lag

@@ -27,6 +27,7 @@ from typing import Literal, Protocol
 
 from llamarl.control.channels.buffer import BufferClosed, RolloutBuffer
 from llamarl.control.channels.rollouts import CHECKPOINT_MARKER
+from llamarl.control.schedule import stream_admits
 from llamarl.exec.types import RolloutBatch
 
 __all__ = ["KeyValueStore", "Pause", "RolloutOutbox", "StreamControl", "drain_into_buffer"]
@@ -124,18 +125,19 @@ class StreamControl:
     def admit(self, groups: int, *, version: int, prompts_per_step: int, max_policy_lag: int) -> bool:
         """Generator: reserves `groups` new groups if the last of them would still be trained within
         `max_policy_lag` of `version` (the weights that would sample its first token); False (and
-        nothing reserved) if not yet.
-
-        The trainer takes groups first in, first out, `prompts_per_step` per step, and the batch it
-        takes next trains at version `taken`. With `ahead` groups admitted and not yet consumed, the
-        last group reserved now is trained at `taken + (ahead + groups - 1) // prompts_per_step`; its
-        lag must stay within `max_policy_lag` (AReaL's bound on the versions in flight).
-        """
+        nothing reserved) if not yet. The rule: `llamarl.control.schedule.stream_admits`."""
         admitted = self.store.add(self._ADMITTED, groups)
         # Groups consumed before batches taken: the reverse of `consumed`'s writes (see there).
         ahead = admitted - groups - self.store.add(self._CONSUMED, 0)
-        trained_at = self.store.add(self._TAKEN, 0) + (ahead + groups - 1) // prompts_per_step
-        if trained_at - version <= max_policy_lag:
+        taken = self.store.add(self._TAKEN, 0)
+        if stream_admits(
+            taken=taken,
+            ahead=ahead,
+            groups=groups,
+            version=version,
+            prompts_per_step=prompts_per_step,
+            max_policy_lag=max_policy_lag,
+        ):
             return True
         self.store.add(self._ADMITTED, -groups)
         return False

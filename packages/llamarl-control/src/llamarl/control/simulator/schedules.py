@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from llamarl.control.schedule import stream_admits
 from llamarl.control.simulator.events import Join, Process, Simulation, Span, WaitUntil, Work
 
 TRAINER = "trainer"
@@ -208,6 +209,7 @@ class StreamSettings:
     max_policy_lag: int = 1
     in_flight: bool = True  # generators take weights between decoding steps (HF); else between requests
     outbox_batches: int = 2  # a generator's finished batches on their way: one queued, one in delivery
+    admission: bool = True  # a request starts only if its groups will be fresh enough (the controller's)
 
     @property
     def capacity(self) -> int:
@@ -223,7 +225,17 @@ def simulate_stream(
     sim = Simulation(placement.pool_cores)
     buffer: deque[int] = deque()  # policy version of each buffered group (the oldest token's)
     outbox: dict[int, deque[list[int]]] = {g: deque() for g in range(placement.generators)}
-    state = {"version": 0, "announced": 0, "stopped": False, "dropped": 0}
+    # Admission control's counters, as `StreamControl` keeps them: groups admitted, groups consumed
+    # (taken or dropped), batches taken.
+    state = {
+        "version": 0,
+        "announced": 0,
+        "stopped": False,
+        "dropped": 0,
+        "admitted": 0,
+        "consumed": 0,
+        "taken": 0,
+    }
     announced_version: dict[int, int] = {}
     lags: list[list[int]] = []
     buffer_ops: list[tuple] = []
@@ -241,12 +253,30 @@ def simulate_stream(
                 return sync_join(mine["taken"])
             return None
 
+        def admitted() -> bool:
+            return stream_admits(
+                taken=state["taken"],
+                ahead=state["admitted"] - state["consumed"],
+                groups=settings.groups_per_request,
+                version=mine["version"],
+                prompts_per_step=settings.groups_per_step,
+                max_policy_lag=settings.max_policy_lag,
+            )
+
         request = 0
         while not state["stopped"]:
             join = take_weights()
             if join is not None:
                 yield join
                 continue
+            if settings.admission and not admitted():
+                # Held back until the trainer takes a batch or new weights come (which may admit it).
+                taken = state["taken"]
+                yield WaitUntil(
+                    lambda: state["taken"] != taken or state["announced"] > mine["taken"] or state["stopped"]
+                )
+                continue
+            state["admitted"] += settings.groups_per_request
             first_version = mine["version"]
             poll: Callable[[], Join | None] | None = take_weights if settings.in_flight else None
             yield Work("generate", costs.generate_s(request, g), request, placement.generator_threads, poll)
@@ -295,6 +325,8 @@ def simulate_stream(
                     else:
                         taken.append(version)
             state["dropped"] += dropped
+            state["taken"] += 1  # the batch first, then its groups: as `StreamControl.consumed`
+            state["consumed"] += len(taken) + dropped
             buffer_ops.append(("take", state["version"], tuple(taken), dropped))
             lags.append([state["version"] - v for v in taken])
             yield Work("train", costs.train_s(step), step, placement.trainer_threads)
