@@ -271,9 +271,10 @@ def simulate_stream(
                 continue
             if settings.admission and not admitted():
                 # Held back until the trainer takes a batch or new weights come (which may admit it).
-                taken = state["taken"]
                 yield WaitUntil(
-                    lambda: state["taken"] != taken or state["announced"] > mine["taken"] or state["stopped"]
+                    lambda taken=state["taken"]: (
+                        state["taken"] != taken or state["announced"] > mine["taken"] or state["stopped"]
+                    )
                 )
                 continue
             state["admitted"] += settings.groups_per_request
