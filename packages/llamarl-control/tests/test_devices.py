@@ -58,6 +58,38 @@ def test_every_rank_gets_the_gpu_of_its_local_rank():
     assert [d for d, _, _ in placements(two, cuda_devices=2)] == ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
 
 
+def test_a_reward_rank_computes_on_a_gpu_of_its_own_uncapped_beside_either_generator():
+    for backend, generator_place in (("hf", ("cuda:2", True, 0.9)), ("vllm", ("cuda:2", False, None))):
+        cfg = config(
+            ranks={"num_trainers": 2, "num_generators": 1, "num_reward_ranks": 1},
+            generator={"backend": backend},
+            reward_model={"path": "some/reward_model"},
+        )
+        assert cfg.role_of(3) == "reward"
+        assert placements(cfg, cuda_devices=4) == [
+            ("cuda:0", True, None),
+            ("cuda:1", True, None),
+            generator_place,
+            ("cuda:3", True, None),  # not the generators' cap: the reward model has the GPU to itself
+        ]
+        with pytest.raises(
+            ConfigError, match=r"^4 ranks per machine need a GPU each .*; this machine shows 3$"
+        ):
+            placements(cfg, cuda_devices=3)
+
+
+def test_reward_ranks_are_refused_beside_colocated_ranks_in_one_line():
+    cfg = config(
+        ranks={"num_trainers": 1, "num_generators": 1, "num_reward_ranks": 1, "colocate": True,
+               "trainer_memory_fraction": 0.45},
+        generator={"gpu_memory_utilization": 0.45},
+        reward_model={"path": "some/reward_model"},
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match=r"reward ranks \(--num-reward-ranks\) need GPUs of their own"):
+        placements(cfg, cuda_devices=2)
+    assert placements(cfg, cuda_devices=0) == [("cpu", False, None)] * 3  # the CPU: nothing to share
+
+
 def test_the_weight_sync_group_is_nccl_only_where_every_rank_has_a_gpu_of_its_own():
     two = {"num_trainers": 2, "num_generators": 2}
     assert weight_sync_backend(config(ranks=two), cuda_devices=4) == "nccl"

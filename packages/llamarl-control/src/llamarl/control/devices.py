@@ -4,7 +4,8 @@ On CUDA (`ranks.device` "cuda", or "auto" where a GPU is visible) two layouts:
 
     own GPUs (default)   the rank with local rank l works on GPU l of its machine: L ranks per machine
                          need L GPUs. A vLLM generator rank's engine runs on the rank's GPU (its child
-                         process sees only that one); the rank itself does no CUDA work.
+                         process sees only that one); the rank itself does no CUDA work. A reward rank
+                         computes on its GPU, uncapped.
     ranks.colocate       one machine; trainer rank i and generator rank i share GPU i, the trainer's
                          allocator capped at ranks.trainer_memory_fraction of it and the generator at
                          generator.gpu_memory_utilization (their sum at most 1).
@@ -65,13 +66,15 @@ def place_rank(config: RunConfig, *, rank: int, local_rank: int, cuda_devices: i
     if not uses_cuda(config, cuda_devices):
         return Placement(torch.device("cpu"), pin=False, memory_fraction=None)
     ranks = config.ranks
-    is_trainer = rank < ranks.num_trainers
+    role = config.role_of(rank)
     # Colocated (one machine, so global rank == local rank): trainer i and generator i on GPU i.
-    gpu = (rank if is_trainer else rank - ranks.num_trainers) if ranks.colocate else local_rank
+    gpu = (rank if role == "trainer" else rank - ranks.num_trainers) if ranks.colocate else local_rank
     device = torch.device("cuda", gpu)
-    if is_trainer:
+    if role == "trainer":
         fraction = ranks.trainer_memory_fraction
         return Placement(device, pin=True, memory_fraction=fraction if fraction < 1 else None)
+    if role == "reward":  # a reward model on a GPU of its own (never colocated: check_placement)
+        return Placement(device, pin=True, memory_fraction=None)
     if config.generator.backend == "vllm":  # the engine child takes its share (gpu_memory_utilization)
         return Placement(device, pin=False, memory_fraction=None)
     return Placement(device, pin=True, memory_fraction=config.generator.gpu_memory_utilization)
@@ -83,6 +86,11 @@ def check_placement(config: RunConfig, *, ranks_per_node: int, cuda_devices: int
         raise ConfigError("ranks.device (--device) is cuda, but no CUDA device is visible here")
     if not uses_cuda(config, cuda_devices):
         return
+    if config.ranks.colocate and config.ranks.num_reward_ranks:
+        raise ConfigError(
+            "ranks.colocate shares each GPU between a trainer and a generator; reward ranks "
+            "(--num-reward-ranks) need GPUs of their own: set it to 0 to score in the generator ranks"
+        )
     needed = config.ranks.num_trainers if config.ranks.colocate else ranks_per_node
     if needed > cuda_devices:
         if config.ranks.colocate:
