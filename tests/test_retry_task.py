@@ -1,0 +1,39 @@
+"""The retry app's environment (apps/retry_rl, the CPU multi-turn learning recipe): each wrong answer
+gets feedback and another try, the score is 1 / the right try, 0 after three wrong ones."""
+
+from __future__ import annotations
+
+import sys
+
+from test_rl_apps import REPO
+
+sys.path.insert(0, str(REPO / "apps" / "retry_rl"))
+
+from retry_task import MAX_TRIES, TASK, TRY_AGAIN, RetryEnvironment  # noqa: E402
+
+from llamarl.control.tasks import load_rows  # noqa: E402
+from llamarl.exec.environments import Finish, ModelTurn, Reply  # noqa: E402
+
+
+def turn(text: str, index: int) -> ModelTurn:
+    return ModelTurn(text=text, tool_calls=[], index=index)
+
+
+def test_a_right_answer_scores_one_over_its_try_and_a_wrong_one_gets_another_try():
+    row = {"question": "What is 3 + 4?", "answer": "3 + 4 = 7\n#### 7"}
+    env = RetryEnvironment()
+    env.start(row)
+    assert env.step(turn("#### 7", 0)) == Finish(reward=1.0)
+    env.start(row)
+    assert env.step(turn("#### 8", 0)) == Reply([{"role": "user", "content": TRY_AGAIN}])
+    assert env.step(turn("Sorry.\n#### 7", 1)) == Finish(reward=0.5)
+    env.start(row)
+    for index in range(MAX_TRIES - 1):
+        assert isinstance(env.step(turn("#### 1", index)), Reply)
+    assert env.step(turn("#### 1", MAX_TRIES - 1)) == Finish(reward=0.0)
+
+
+def test_the_task_is_the_arith_task_with_the_environment():
+    assert TASK.environment is RetryEnvironment and TASK.name == "arith_retry"
+    test = load_rows(TASK, None, "test")
+    assert len(test) >= 100 and all("####" in row["answer"] for row in test)
