@@ -9,10 +9,10 @@ from test_rl_apps import REPO
 
 sys.path.insert(0, str(REPO / "apps" / "retry_rl"))
 
-from retry_task import MAX_TRIES, TASK, TRY_AGAIN, RetryEnvironment  # noqa: E402
+from retry_task import MAX_TRIES, TASK, TRY_AGAIN, RetryEnvironment
 
-from llamarl.control.tasks import load_rows  # noqa: E402
-from llamarl.exec.environments import Finish, ModelTurn, Reply  # noqa: E402
+from llamarl.control.tasks import load_rows
+from llamarl.exec.environments import Finish, ModelTurn, Reply
 
 
 def turn(text: str, index: int) -> ModelTurn:
