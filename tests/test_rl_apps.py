@@ -92,8 +92,10 @@ def test_gsm8k_app_trains_in_both_modes(tiny_model_dir, gsm8k_dir, tmp_path, mod
     assert 0.0 <= summary["eval_accuracy_end"] <= 1.0
     # Memory of every process: both ranks, the generator's reward worker, the launcher; summed.
     processes = {p["process"]: p["peak_rss_mb"] for p in summary["memory_per_process"]}
-    for process in ("rank 0 trainer", "rank 1 generator", "rank 1 generator reward worker", "launcher"):
+    for process in ("rank 0 trainer", "rank 1 generator", "launcher"):
         assert processes.get(process, 0) > 50, (process, processes)
+    # The reward worker imports the reward functions only, never torch (which alone holds ~300 MB).
+    assert 5 < processes.get("rank 1 generator reward worker", 0) < 150, processes
     assert summary["peak_rss_mb_total"] == pytest.approx(
         sum(p["peak_rss_mb"] for p in summary["memory_per_process"])
     )

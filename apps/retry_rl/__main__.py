@@ -8,9 +8,11 @@ from pathlib import Path
 # inherit sys.path), so it lives beside this file, not in it.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from retry_task import TASK
-
-from llamarl.control import main
-
 if __name__ == "__main__":
+    # Imported here, not above: every spawned process of the run (ranks, reward workers) imports this
+    # file again as its parent's main module, and a reward worker needs none of llamarl's heavy imports.
+    from retry_task import TASK
+
+    from llamarl.control import main
+
     sys.exit(main(TASK))

@@ -6,7 +6,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the apps' shared command line
 
-from rl_app import main
-
 if __name__ == "__main__":
+    # Imported here, not above: every spawned process of the run (ranks, reward workers) imports this
+    # file again as its parent's main module, and a reward worker needs none of llamarl's heavy imports.
+    from rl_app import main
+
     sys.exit(main(None))

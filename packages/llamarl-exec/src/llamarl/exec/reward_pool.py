@@ -15,36 +15,17 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing as mp
-import signal
 import time
 from collections.abc import Sequence
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import wait
 
 from llamarl.exec.config import RewardConfig
-from llamarl.exec.rewards import Messages, Reward, as_rewards, score_samples
+from llamarl.exec.reward_worker import worker_main
+from llamarl.exec.rewards import Messages, Reward, as_rewards
 
 log = logging.getLogger(__name__)
 
 _START_TIMEOUT_S = 120.0  # a worker that cannot import its reward functions in this long is broken
-
-
-def _worker_main(conn: Connection, rewards: tuple[Reward, ...]) -> None:
-    """Worker loop: receive (job, prompts, completions, rows), send (job, scores, errors)."""
-    # Ctrl-C (and a scheduler's SIGTERM) reach every process of the run: a worker ends with its rank
-    # (which stops it, or whose exit closes the pipe), never with a traceback of its own.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_IGN)
-    conn.send(("ready", None, None))
-    while True:
-        try:
-            task = conn.recv()
-        except EOFError:  # the parent went away
-            return
-        if task is None:
-            return
-        job, prompts, completions, rows = task
-        scores, errors = score_samples(rewards, prompts, completions, rows)
-        conn.send((job, scores, errors))
 
 
 class _Worker:
@@ -52,7 +33,7 @@ class _Worker:
 
     def __init__(self, ctx, rewards: tuple[Reward, ...]) -> None:
         self.conn, child_conn = ctx.Pipe()
-        self.process = ctx.Process(target=_worker_main, args=(child_conn, rewards), daemon=True)
+        self.process = ctx.Process(target=worker_main, args=(child_conn, rewards), daemon=True)
         self.process.start()
         child_conn.close()
         self.ready = False
