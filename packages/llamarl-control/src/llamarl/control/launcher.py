@@ -17,6 +17,7 @@ checkpoint. Under `torchrun` (or Slurm's srun of it), each process is one rank: 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import logging
@@ -174,10 +175,11 @@ def launch(
     }
     summary.update(added)
     summary_path.write_text(json.dumps({**json.loads(summary_path.read_text()), **added}, indent=2) + "\n")
-    # The report's memory line now counts the launcher too. A picture never fails a finished run: the
-    # first trainer rank drew it already (and said so if it could not).
-    with contextlib.suppress(Exception):
+    # The report, with the launcher in its memory line. A picture never fails a finished run.
+    try:
         write_report(output_dir)
+    except Exception as e:
+        print(f"warning: could not draw {output_dir / 'report.png'}: {e}", file=sys.stderr)
     return Launched(summary=summary, summary_path=summary_path, summary_host=summary_host)
 
 
@@ -206,7 +208,7 @@ def run_this_rank(
     errors_dir = output_dir / ERRORS_DIR
     errors_dir.mkdir(exist_ok=True)
     task = task if task is not None else load_task(config.task.name, config.task.module)
-    result = _run_rank(config, task, train_rows, eval_rows, str(errors_dir))
+    result = _run_rank(config, task, train_rows, eval_rows, str(errors_dir), draw_report=True)
     if result["summary"] is None:
         return None
     return Launched(result["summary"], output_dir / "summary.json", result["summary_host"])
@@ -276,19 +278,41 @@ def _rank_main(
     without printing (the launcher prints the first failure once); SIGINT and SIGTERM stop it (its side
     closes its engines and workers) the same way, with exit code 128 + the signal."""
     try:
-        return _run_rank(config, task, train_rows, eval_rows, errors_dir)
+        # The launcher draws the report once the ranks are gone (with its own memory in it), so the
+        # first trainer rank does not draw one too before it exits.
+        result = _run_rank(config, task, train_rows, eval_rows, errors_dir, draw_report=False)
+        atexit.register(_exit_without_finalizing)  # runs first, once torch elastic has the result
+        return result
     except Interrupted as e:
         os._exit(128 + e.signum)
     except BaseException:
         os._exit(1)
 
 
+def _exit_without_finalizing() -> None:
+    """Ends a rank whose run is over and whose result torch elastic has read (it waits for that before
+    the rank's process may exit). What Python's own exit would add is seconds of collecting every object
+    of a process that held a model and the dataset's rows (the launcher waits for it), and libraries'
+    reports of objects left alive at exit: nothing of the run. Everything the rank opened is closed."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(0)
+
+
 def _run_rank(
-    config: RunConfig, task: Task, train_rows: list[dict], eval_rows: list[dict], errors_dir: str
+    config: RunConfig,
+    task: Task,
+    train_rows: list[dict],
+    eval_rows: list[dict],
+    errors_dir: str,
+    *,
+    draw_report: bool,
 ) -> dict[str, Any]:
     """One rank, start to end: {"summary": the summary on the first trainer rank (else None),
-    "summary_host": the machine that has it}. A failure is recorded in `errors_dir`, then raised as
-    `RunFailed`."""
+    "summary_host": the machine that has it}; the first trainer rank draws report.png if
+    `draw_report`. A failure is recorded in `errors_dir`, then raised as `RunFailed`."""
     rank = int(os.environ.get("RANK", -1))
     record_path = Path(errors_dir, f"rank{rank}.json")
     nodes = NodeWatch()
@@ -308,7 +332,8 @@ def _run_rank(
             config = replace_in(config, **{"checkpoint.resume": True})
         from llamarl.control.spmd import run_rank  # the ranks' code: not imported by the launcher itself
 
-        summary = run_rank(config, train_rows, eval_rows)  # closes its side, also on failure
+        # closes its side, also on failure
+        summary = run_rank(config, train_rows, eval_rows, draw_report=draw_report)
         nodes.stop()
         dist.destroy_process_group()
         return {"summary": summary, "summary_host": os.environ.get("MASTER_ADDR", socket.gethostname())}

@@ -58,6 +58,7 @@ class Side:
         self, config: RunConfig, train_examples: list[dict], eval_examples: list[dict], *, rank: int
     ) -> None:
         self.config = config
+        self.draw_report = True  # the first trainer rank's report.png (the launcher draws it instead)
         self.task = load_task(config.task.name, config.task.module)
         self.train_examples = train_examples
         self.eval_examples = eval_examples[: config.eval.size]

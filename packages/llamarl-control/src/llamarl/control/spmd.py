@@ -22,8 +22,11 @@ from llamarl.control.side import Side
 from llamarl.control.trainer_side import TrainerSide
 
 
-def run_rank(config: RunConfig, train_rows: list[dict], eval_rows: list[dict]) -> dict[str, Any] | None:
-    """Runs this rank's side of the job; returns the summary on the first trainer rank, None elsewhere."""
+def run_rank(
+    config: RunConfig, train_rows: list[dict], eval_rows: list[dict], *, draw_report: bool = True
+) -> dict[str, Any] | None:
+    """Runs this rank's side of the job; returns the summary on the first trainer rank, None elsewhere.
+    The first trainer rank draws report.png if `draw_report` (not when the launcher draws it)."""
     rank = dist.get_rank()
     if rank < config.ranks.num_trainers:
         kind: type[Side] = TrainerSide
@@ -32,6 +35,7 @@ def run_rank(config: RunConfig, train_rows: list[dict], eval_rows: list[dict]) -
     else:
         kind = GeneratorSide
     side: Side = kind(config, train_rows, eval_rows, rank=rank)
+    side.draw_report = draw_report
     try:
         side.setup()
         return side.run()

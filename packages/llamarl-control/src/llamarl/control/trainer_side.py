@@ -409,6 +409,8 @@ class TrainerSide(Side):
         write_summary(self.output_dir, summary)
         self.logger.close(summary)
         summary["wandb_dir"] = self.logger.wandb_dir
+        if not self.draw_report:
+            return summary
         try:
             write_report(self.output_dir)
         except Exception as e:  # a picture must never fail a finished run
