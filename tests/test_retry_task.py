@@ -34,6 +34,6 @@ def test_a_right_answer_scores_one_over_its_try_and_a_wrong_one_gets_another_try
 
 
 def test_the_task_is_the_arith_task_with_the_environment():
-    assert TASK.environment is RetryEnvironment and TASK.name == "arith_retry"
+    assert TASK.environment is RetryEnvironment and TASK.name == "retry"
     test = load_rows(TASK, None, "test")
     assert len(test) >= 100 and all("####" in row["answer"] for row in test)

@@ -31,4 +31,4 @@ class RetryEnvironment:
         return Reply([{"role": "user", "content": TRY_AGAIN}])
 
 
-TASK = dataclasses.replace(ARITH, name="arith_retry", environment=RetryEnvironment)
+TASK = dataclasses.replace(ARITH, name="retry", environment=RetryEnvironment)
