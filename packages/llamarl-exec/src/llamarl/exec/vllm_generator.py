@@ -206,7 +206,7 @@ class VLLMGenerator:
             log.write(f"\n[llamarl] restarting the vLLM engine (restart {self.num_engine_restarts})\n")
         client.start()
         if self._weight_sync is not None:
-            self._join_weight_sync(**self._weight_sync)
+            self._join_weight_sync(self._weight_sync)
 
     def close(self) -> None:
         """Stops the engine process (politely, then by force after a few seconds). Idempotent."""
@@ -249,33 +249,19 @@ class VLLMGenerator:
             src_rank=src_rank,
             backend=backend,
         )
-        num_tensors = self._join_weight_sync(**arguments)
+        num_tensors = self._join_weight_sync(arguments)
         self._weight_sync = arguments
         return num_tensors
 
-    def _join_weight_sync(
-        self,
-        *,
-        host: str,
-        port: int,
-        rank: int,
-        world_size: int,
-        timeout_s: float,
-        src_rank: int,
-        backend: str,
-    ) -> int:
+    def _join_weight_sync(self, arguments: dict[str, Any]) -> int:
+        """Has the engine's worker join with `connect_weight_sync`'s arguments (kept for rejoins)."""
         # A fresh engine in a group that already ran rejoins by itself: its WeightReceiver sees the
         # group's first generation done and asks for a new one (llamarl.comm.WeightReceiver).
         return self._client_or_raise().call(
             "init_weight_sync",
-            deadline_s=timeout_s + 30,  # the engine's own wait has timeout_s; this one must outlast it
-            host=host,
-            port=port,
-            rank=rank,
-            world_size=world_size,
-            timeout_s=timeout_s,
-            src_rank=src_rank,
-            backend=backend,
+            # the engine's own wait has timeout_s; this one must outlast it
+            deadline_s=arguments["timeout_s"] + 30,
+            **arguments,
         )
 
     def receive_weights(self, timeout_s: float | None = None) -> int:
