@@ -172,14 +172,9 @@ def _corrupt_worker(rank: int, world_size: int, rdv, transport: str, direct_min_
             buckets.Checksummer.__call__ = honest
         group.get("test/receiver-done", timeout_s=30)  # host the store until the receiver is done
         return blamed
-    receiver = WeightReceiver(group, {k: torch.zeros_like(v) for k, v in named.items()})
-    try:
-        receiver.receive()
-    except WeightSyncError as exc:
-        return {"peer": exc.peer, "bucket": exc.bucket, "message": str(exc), "held": receiver.policy_version}
-    finally:
-        group.put("test/receiver-done", True)
-    raise AssertionError("buckets whose checksums disagree with their bytes were accepted")
+    return _receive_expecting_refusal(
+        group, named, "buckets whose checksums disagree with their bytes were accepted"
+    )
 
 
 @pytest.mark.parametrize("direct_min_bytes", [0, 1 << 30], ids=["in-place", "packed"])
@@ -242,14 +237,7 @@ def _flipped_byte_worker(rank: int, world_size: int, rdv, transport: str, direct
         group.get("test/receiver-done", timeout_s=30)  # host the store until the receiver is done
         return {"untouched": all(torch.equal(named[k], original[k]) for k in named)}
     group = _group(rank, world_size, rdv, transport, timeout_s=10.0)
-    receiver = WeightReceiver(group, {k: torch.zeros_like(v) for k, v in named.items()})
-    try:
-        receiver.receive()
-    except WeightSyncError as exc:
-        return {"peer": exc.peer, "bucket": exc.bucket, "message": str(exc), "held": receiver.policy_version}
-    finally:
-        group.put("test/receiver-done", True)
-    raise AssertionError("a bucket whose payload changed in transit was accepted")
+    return _receive_expecting_refusal(group, named, "a bucket whose payload changed in transit was accepted")
 
 
 @pytest.mark.parametrize("direct_min_bytes", [0, 1 << 30], ids=["in-place", "packed"])
@@ -399,3 +387,16 @@ def test_a_strided_parameter_is_packed_and_arrives_bitwise(transport: str) -> No
     sent, served = run_distributed(_strided_worker, 2, transport, timeout_s=60)
     for name in sent:
         assert torch.equal(served[name], sent[name]), name
+
+
+def _receive_expecting_refusal(group, named: dict[str, torch.Tensor], accepted: str) -> dict:
+    """The receiver's side of a sync it must refuse: the error's peer, bucket and message, and the
+    version it holds after; tells the sender's rank it is done either way."""
+    receiver = WeightReceiver(group, {k: torch.zeros_like(v) for k, v in named.items()})
+    try:
+        receiver.receive()
+    except WeightSyncError as exc:
+        return {"peer": exc.peer, "bucket": exc.bucket, "message": str(exc), "held": receiver.policy_version}
+    finally:
+        group.put("test/receiver-done", True)
+    raise AssertionError(accepted)
