@@ -185,13 +185,18 @@ def _trainer_group_routes_by_device(rank: int, world_size: int, rendezvous) -> d
     backend = group_backend(torch.device("cuda", 0)).replace("nccl", "fake")
     group = dist.new_group([0, 1], backend=backend)
     if rank == 2:
-        return {"non_member": group == dist.GroupMember.NON_GROUP_MEMBER}
+        non_member = group == dist.GroupMember.NON_GROUP_MEMBER
+        # Gloo's full mesh can be connected on this side before a peer finished its handshake:
+        # tearing the default group down now would close that peer's socket mid-connect.
+        dist.barrier()
+        return {"non_member": non_member}
     from torch.distributed.distributed_c10d import _get_object_coll_device
 
     counts = torch.tensor([rank + 1.0], dtype=torch.float64)  # a CPU bookkeeping tensor (token counts)
     dist.all_reduce(counts, group=group)
     objects: list = [None, None]
     dist.all_gather_object(objects, {"rank": rank}, group=group)  # what checkpoints' planners do
+    dist.barrier()
     return {
         "sum": counts.item(),
         "objects": objects,
