@@ -205,7 +205,7 @@ class MemoryWatch:
         me = psutil.Process()
         while not self._stop.wait(self.period_s):
             try:
-                for child in me.children():
+                for child in rank_processes(me):
                     tree = [child, *child.children(recursive=True)]
                     rss = sum(_rss(p) for p in tree) / 2**20
                     self.rss_mb[child.pid] = rss
@@ -214,6 +214,19 @@ class MemoryWatch:
                 self.available_mb, self.total_mb = memory.available / 2**20, memory.total / 2**20
             except psutil.Error:
                 continue
+
+
+def rank_processes(launcher: Any) -> list[Any]:
+    """The launcher's rank processes (psutil): the children of the server they fork from
+    (`multiprocessing`'s forkserver), or its own children when ranks are spawned directly."""
+    ranks = []
+    for child in launcher.children():
+        try:
+            forks_ranks = "multiprocessing.forkserver" in " ".join(child.cmdline())
+        except Exception:  # gone meanwhile
+            continue
+        ranks.extend(child.children() if forks_ranks else [child])
+    return ranks
 
 
 def _rss(process: Any) -> int:

@@ -21,6 +21,7 @@ import atexit
 import contextlib
 import json
 import logging
+import multiprocessing.forkserver
 import os
 import signal
 import socket
@@ -75,6 +76,12 @@ SHUTDOWN_TIMEOUT_S = 30  # after Ctrl-C or SIGTERM, how long ranks get to close 
 # Ranks are the big consumers of memory: the kernel's out-of-memory killer takes them before the
 # launcher, which then lives to say what happened.
 RANK_OOM_SCORE_ADJ = 300
+# What every rank imports, loaded once in the server the ranks fork from: the ranks' code and the parts
+# of transformers that every causal LM's module imports (transformers loads those lazily).
+RANK_PRELOAD = [
+    "llamarl.control.spmd",
+    *(f"transformers.{m}" for m in ("generation", "masking_utils", "modeling_layers", "modeling_utils")),
+]
 
 
 @dataclass(frozen=True)
@@ -132,7 +139,7 @@ def launch(
         rdzv_configs={"join_timeout": launch.timeout_s},
         max_restarts=launch.max_restarts,  # restarted ranks resume from the latest checkpoint
         monitor_interval=0.2,
-        start_method="spawn",
+        start_method="forkserver",
         logs_specs=DefaultLogsSpecs(log_dir=str(log_dir)),
         shutdown_timeout=SHUTDOWN_TIMEOUT_S,
     )
@@ -147,7 +154,7 @@ def launch(
     start = time.perf_counter()
     started_at = time.time()
     try:
-        with _fresh_store_per_formation(), MemoryWatch() as memory:
+        with _rank_fork_server(), _fresh_store_per_formation(), MemoryWatch() as memory:
             results = elastic_launch(launch_config, _rank_main)(
                 config, task, train_rows, eval_rows, str(errors_dir)
             )
@@ -225,6 +232,19 @@ def _write_resolved_config(config: RunConfig) -> None:
     partial = path.with_name(f".{path.name}.{socket.gethostname()}-{os.getpid()}")
     write_config(config, partial)
     os.replace(partial, path)
+
+
+@contextlib.contextmanager
+def _rank_fork_server() -> Iterator[None]:
+    """Ranks fork from one server process that imported their code once (`RANK_PRELOAD`), instead of
+    each importing torch, transformers and llamarl afresh: about 5 CPU seconds saved per rank, and per
+    rank that torch elastic restarts. The server stops with the job, so that the ranks of a next job
+    launched from the same process inherit the environment of that launch, not of this one."""
+    multiprocessing.set_forkserver_preload(RANK_PRELOAD)
+    try:
+        yield
+    finally:
+        multiprocessing.forkserver._forkserver._stop()  # CPython's one way to stop it
 
 
 @contextlib.contextmanager

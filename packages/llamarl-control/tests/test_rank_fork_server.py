@@ -1,0 +1,50 @@
+"""The server the ranks fork from: each job's ranks see that job's environment, and the launcher still
+finds its ranks (for their memory) below the server."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+
+import psutil
+
+from llamarl.control import launcher
+from llamarl.control.failures import rank_processes
+
+# Targets are library functions: a forked child finds them by module name (this test module's name is
+# not importable there).
+
+
+def test_each_job_forks_its_ranks_from_a_server_with_the_environment_of_its_launch(monkeypatch, tmp_path):
+    monkeypatch.setattr(launcher, "RANK_PRELOAD", [])  # what the server imports does not matter here
+    context = multiprocessing.get_context("forkserver")
+    seen = []
+    for value in ("first", "second"):
+        monkeypatch.setenv("LLAMARL_TEST_LAUNCH", value)
+        report = tmp_path / value
+        with launcher._rank_fork_server():
+            child = context.Process(target=os.system, args=(f'echo "$LLAMARL_TEST_LAUNCH" > {report}',))
+            child.start()
+            child.join(timeout=60)
+        seen.append(report.read_text().strip())
+    # A server kept from the first job would hand its environment ("first") to the second job's ranks.
+    assert seen == ["first", "second"]
+
+
+def test_the_launcher_finds_its_ranks_below_the_fork_server(monkeypatch):
+    monkeypatch.setattr(launcher, "RANK_PRELOAD", [])
+    context = multiprocessing.get_context("forkserver")
+    with launcher._rank_fork_server():
+        ranks = [context.Process(target=time.sleep, args=(60,)) for _ in range(2)]
+        for rank in ranks:
+            rank.start()
+        try:
+            found = {p.pid for p in rank_processes(psutil.Process())}
+            server = multiprocessing.forkserver._forkserver._forkserver_pid
+            assert {rank.pid for rank in ranks} <= found
+            assert server not in found  # the server's own memory is shared with the ranks, not theirs
+        finally:
+            for rank in ranks:
+                rank.kill()
+                rank.join(timeout=30)
