@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from llamarl.exec.environments import Environment, Finish, ModelTurn, Reply
-from llamarl.exec.padding import left_pad
+from llamarl.exec.padding import left_pad, right_pad
 from llamarl.exec.tools import parse_tool_calls
 from llamarl.exec.types import RolloutBatch, TurnOutput
 
@@ -214,19 +214,11 @@ def episodes_to_batch(
 
     prompt_ids_BP, prompt_mask_BP = left_pad([e.prompt_ids for e in episodes], pad_token_id)
     B = len(episodes)
-    C = max((len(e.ids) for e in episodes), default=0)
-    ids_BC = torch.full((B, C), pad_token_id, dtype=torch.int64)
-    mask_BC = torch.zeros((B, C), dtype=torch.int64)
-    logprobs_BC = torch.zeros((B, C), dtype=torch.float32)
-    versions_BC = torch.zeros((B, C), dtype=torch.int64)
-    first_version = []
-    for b, e in enumerate(episodes):
-        n = len(e.ids)
-        ids_BC[b, :n] = torch.tensor(e.ids, dtype=torch.int64)
-        mask_BC[b, :n] = torch.tensor(e.mask, dtype=torch.int64)
-        logprobs_BC[b, :n] = torch.tensor(e.logprobs, dtype=torch.float32)
-        versions_BC[b, :n] = torch.tensor(e.versions, dtype=torch.int64)
-        first_version.append(e.versions[0] if e.versions else policy_version)
+    ids_BC = right_pad([e.ids for e in episodes], pad_token_id, torch.int64)
+    mask_BC = right_pad([e.mask for e in episodes], 0, torch.int64)
+    logprobs_BC = right_pad([e.logprobs for e in episodes], 0.0, torch.float32)
+    versions_BC = right_pad([e.versions for e in episodes], 0, torch.int64)
+    first_version = [e.versions[0] if e.versions else policy_version for e in episodes]
     return RolloutBatch(
         prompt_ids_BP=prompt_ids_BP,
         prompt_mask_BP=prompt_mask_BP,

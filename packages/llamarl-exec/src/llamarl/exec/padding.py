@@ -1,5 +1,5 @@
-"""Token sequences as padded tensors: prompts left-padded for batched generation, completions cut at their
-first EOS.
+"""Token sequences as padded tensors: prompts left-padded for batched generation, completions right-padded
+and cut at their first EOS.
 
 Shape legend: B sequences, P prompt length, C completion length.
 """
@@ -19,6 +19,17 @@ def left_pad(sequences: list[list[int]], pad_token_id: int) -> tuple[torch.Tenso
             ids_BP[i, length - len(s) :] = torch.tensor(s, dtype=torch.int64)
             mask_BP[i, length - len(s) :] = 1
     return ids_BP, mask_BP
+
+
+def right_pad(rows: list[list], fill: float, dtype: torch.dtype) -> torch.Tensor:
+    """Right-pads lists (token ids, log-probs, versions, masks) to the longest with `fill`: `dtype` [B, C]
+    (C = 0 when every row is empty)."""
+    length = max((len(r) for r in rows), default=0)
+    out_BC = torch.full((len(rows), length), fill, dtype=dtype)
+    for i, r in enumerate(rows):
+        if r:
+            out_BC[i, : len(r)] = torch.tensor(r, dtype=dtype)
+    return out_BC
 
 
 def completion_mask(completion_ids_BC: torch.Tensor, eos_token_ids: list[int]) -> torch.Tensor:

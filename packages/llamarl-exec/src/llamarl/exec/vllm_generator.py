@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from llamarl.exec.config import GeneratorConfig, SamplingConfig
-from llamarl.exec.padding import completion_mask, left_pad
+from llamarl.exec.padding import completion_mask, left_pad, right_pad
 from llamarl.exec.types import GenerationPaused, RolloutBatch, TurnOutput
 from llamarl.exec.vllm_client import BETWEEN_STEPS_S, EngineClient, EngineError, EngineLost
 
@@ -377,16 +377,13 @@ class VLLMGenerator:
         prompt_ids_BP, prompt_mask_BP = left_pad(
             [p for p in prompts for _ in range(samples_per_prompt)], self.pad_token_id
         )
-        length = max((len(t) for t in token_ids), default=0)
-        completion_ids_BC = torch.full((num_sequences, length), self.pad_token_id, dtype=torch.int64)
-        behavior_logprobs_BC = torch.zeros((num_sequences, length), dtype=torch.float32)
-        token_version_BC = torch.zeros((num_sequences, length), dtype=torch.int64)
-        for i, (ids, lps, vs) in enumerate(zip(token_ids, logprobs, versions, strict=True)):
-            completion_ids_BC[i, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
-            behavior_logprobs_BC[i, : len(lps)] = torch.tensor(lps, dtype=torch.float32)
-            # The engine stamps a token None only if sampled after a failed sync, and then fails the
-            # call instead of returning it.
-            token_version_BC[i, : len(vs)] = torch.tensor(vs, dtype=torch.int64)
+        completion_ids_BC = right_pad(token_ids, self.pad_token_id, torch.int64)
+        length = completion_ids_BC.shape[1]
+        behavior_logprobs_BC = right_pad(logprobs, 0.0, torch.float32)
+        # The engine stamps a token None only if sampled after a failed sync, and then fails the call
+        # instead of returning it.
+        token_version_BC = right_pad(versions, 0, torch.int64)
+        assert behavior_logprobs_BC.shape == token_version_BC.shape == completion_ids_BC.shape
         # vLLM stops at the first EOS and keeps it; the mask also stops at the first EOS, so a padding
         # id equal to EOS (SmolLM2) is never mistaken for a sampled token.
         lengths_B = torch.tensor([len(t) for t in token_ids])
