@@ -123,7 +123,7 @@ def test_a_vllm_generator_rank_leaves_its_gpu_to_its_engine():
         generator = VLLMGenerator(
             "/models/m", SamplingConfig(), cfg.generator, device=device, batch_sequences=cfg.request_sequences
         )
-        assert engine_env(num_threads=1, kv_cache_gib=1, device=device)["CUDA_VISIBLE_DEVICES"] == expected
+        assert engine_env(num_threads=1, device=device)["CUDA_VISIBLE_DEVICES"] == expected
         kwargs = llm_kwargs(parse_args(["--fd", "3", *generator.server_args()]), worker_extension_cls="x")
         assert kwargs["gpu_memory_utilization"] == 0.8
         assert kwargs["max_num_seqs"] == 8  # one prompt of the 3 per step x 8 samples, per generator

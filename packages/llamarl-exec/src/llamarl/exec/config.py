@@ -146,8 +146,9 @@ class GeneratorConfig(ConfigSection):
     async_scheduling: bool = True
     """vLLM on CUDA: schedule the next engine step while one runs (never in stream mode, where weights
     load between two steps of the requests in flight)"""
-    kv_cache_gib: int = Field(1, ge=1)
-    """vLLM on the CPU: KV cache size of each engine, GiB"""
+    kv_cache_gib: float | None = Field(None, gt=0)
+    """vLLM on the CPU: KV cache size of each engine, GiB (unset: room for one generate's max_num_seqs
+    sequences of a prompt allowance + max_new_tokens, `llamarl.exec.vllm_generator.kv_cache_bytes`)"""
     max_engine_restarts: int = Field(3, ge=0)
     """stream mode with vLLM: dead engines a generator replaces while the trainer keeps going"""
 

@@ -55,10 +55,10 @@ class EngineLost(EngineError):
 class EngineClient:
     """One engine process and the connection to it.
 
-    `server_args` are `vllm_server.py`'s flags (model, dtype, ...); `num_threads`, `kv_cache_gib` and
-    `device` (the generator rank's: "cuda:i" gives the engine that GPU alone) go into the engine's
-    environment. Every call waits at most `timeout_s` unless given its own deadline;
-    the start waits at most `start_timeout_s`. The engine's output is appended to `log_path`.
+    `server_args` are `vllm_server.py`'s flags (model, dtype, ...); `num_threads` and `device` (the
+    generator rank's: "cuda:i" gives the engine that GPU alone) go into the engine's environment.
+    Every call waits at most `timeout_s` unless given its own deadline; the start waits at most
+    `start_timeout_s`. The engine's output is appended to `log_path`.
     """
 
     def __init__(
@@ -67,7 +67,6 @@ class EngineClient:
         server_args: list[str],
         vllm_python: str | None,
         num_threads: int,
-        kv_cache_gib: int,
         log_path: Path,
         start_timeout_s: float,
         timeout_s: float,
@@ -77,7 +76,6 @@ class EngineClient:
         self.device = device
         self.vllm_python = vllm_python
         self.num_threads = num_threads
-        self.kv_cache_gib = kv_cache_gib
         self.log_path = log_path
         self.start_timeout_s = start_timeout_s
         self.timeout_s = timeout_s
@@ -104,9 +102,7 @@ class EngineClient:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env=engine_env(
-                    num_threads=self.num_threads, kv_cache_gib=self.kv_cache_gib, device=self.device
-                ),
+                env=engine_env(num_threads=self.num_threads, device=self.device),
                 pass_fds=(theirs.fileno(),),
             )
         theirs.close()

@@ -119,7 +119,7 @@ def comm_import_root() -> Path:
 _COMM_ROOT: Path | None = None
 
 
-def engine_env(*, num_threads: int, kv_cache_gib: int, device: str = "cpu") -> dict[str, str]:
+def engine_env(*, num_threads: int, device: str = "cpu") -> dict[str, str]:
     """The engine process's environment: this one minus the launcher's rank variables, plus vLLM's.
 
     `device`: the generator rank's device; "cuda:i" makes the engine see only that GPU (its own
@@ -146,7 +146,6 @@ def engine_env(*, num_threads: int, kv_cache_gib: int, device: str = "cpu") -> d
     env.update(
         # A small shared CPU machine: no OpenMP core pinning; the thread count is the rank's share.
         VLLM_CPU_OMP_THREADS_BIND="nobind",
-        VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib),
         # vLLM's sampler torch.compile()s a helper when log-probs are requested, even with enforce_eager:
         # 5-25 s of inductor work on this CPU for a one-line reduction. (Never on CUDA, where vLLM
         # compiles the model and captures CUDA graphs.)

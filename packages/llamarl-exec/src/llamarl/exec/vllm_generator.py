@@ -139,7 +139,6 @@ class VLLMGenerator:
             server_args=self.server_args(),
             vllm_python=self.engine.vllm_python,
             num_threads=self.num_threads,
-            kv_cache_gib=self.engine.kv_cache_gib,
             log_path=log_path,
             start_timeout_s=self.start_timeout_s,
             timeout_s=self.timeout_s,
@@ -162,12 +161,27 @@ class VLLMGenerator:
         ]  # fmt: skip
         if engine.max_model_len is not None:
             args += ["--max-model-len", str(engine.max_model_len)]
+        if not cuda:  # on CUDA the KV cache takes what gpu_memory_utilization leaves
+            args += ["--kv-cache-bytes", str(self.kv_cache_bytes())]
         if cuda and engine.cuda_graphs:
             args.append("--cuda-graphs")
         # Tokens of a step scheduled ahead would be stamped with the version of weights loaded after it.
         if cuda and engine.async_scheduling and not self.supports_in_flight_updates:
             args.append("--async-scheduling")
         return args
+
+    def kv_cache_bytes(self) -> int:
+        """The CPU engine's KV cache: engine.kv_cache_gib, or sized for this run (`kv_cache_bytes`)."""
+        if self.engine.kv_cache_gib is not None:
+            return int(self.engine.kv_cache_gib * 2**30)
+        config = json.loads((Path(self.model_name) / "config.json").read_text())
+        return kv_cache_bytes(
+            config,
+            dtype=self.dtype,
+            sequences=self.engine.max_num_seqs or self.batch_sequences,
+            new_tokens=self.sampling.max_new_tokens,
+            max_model_len=self.engine.max_model_len,
+        )
 
     @property
     def engine_pid(self) -> int | None:
@@ -411,6 +425,28 @@ class VLLMGenerator:
         if reply.get("paused") and not bool(finished_B.all()):
             raise GenerationPaused(batch, finished_B)
         return batch
+
+
+# Tokens a prompt may take (chat template, earlier turns) when the KV cache is sized for a run. A run whose
+# sequences need more still runs: vLLM then preempts sequences and recomputes them later.
+PROMPT_TOKENS_ALLOWANCE = 1024
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def kv_cache_bytes(
+    model_config: dict, *, dtype: str, sequences: int, new_tokens: int, max_model_len: int | None
+) -> int:
+    """Bytes of KV cache for `sequences` sequences of PROMPT_TOKENS_ALLOWANCE + `new_tokens` tokens, and
+    at least for one of the engine's longest (`max_model_len`, else the model's: vLLM refuses to start
+    otherwise), with 10% over for vLLM's rounding to whole blocks. `model_config`: the model folder's
+    config.json; a token takes keys and values of every layer's KV heads, in `dtype`."""
+    heads = model_config["num_attention_heads"]
+    kv_heads = model_config.get("num_key_value_heads") or heads
+    head_dim = model_config.get("head_dim") or model_config["hidden_size"] // heads
+    per_token = 2 * model_config["num_hidden_layers"] * kv_heads * head_dim * _DTYPE_BYTES[dtype]
+    longest = max_model_len or model_config.get("max_position_embeddings", 0)
+    tokens = max(sequences * (PROMPT_TOKENS_ALLOWANCE + new_tokens), longest)
+    return int(tokens * per_token * 1.1)
 
 
 def _special_tokens(model_dir: Path) -> tuple[list[int], int]:

@@ -386,6 +386,9 @@ def llm_kwargs(args: argparse.Namespace, *, worker_extension_cls: str) -> dict[s
     if cuda:
         # vLLM's default takes 90% of the GPU and refuses to start when less is free.
         kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
+    elif args.kv_cache_bytes is not None:
+        # The CPU engine allocates and touches its whole KV cache at start (vLLM's CPU default: 4 GiB).
+        kwargs["kv_cache_memory_bytes"] = args.kv_cache_bytes
     return kwargs
 
 
@@ -402,6 +405,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--cuda-graphs", action="store_true", help="CUDA: no enforce_eager")
+    parser.add_argument("--kv-cache-bytes", type=int, default=None, help="CPU: the KV cache's size")
     parser.add_argument("--async-scheduling", action="store_true", help="CUDA, lock-step modes only")
     return parser.parse_args(argv)
 
