@@ -99,6 +99,8 @@ def test_gsm8k_app_trains_in_both_modes(tiny_model_dir, gsm8k_dir, tmp_path, mod
     assert summary["peak_rss_mb_total"] == pytest.approx(
         sum(p["peak_rss_mb"] for p in summary["memory_per_process"])
     )
+    # All at once, shared pages once (the ranks share libtorch's and the fork server's pages): less.
+    assert 200 < summary["peak_pss_mb_total"] < summary["peak_rss_mb_total"]
     # The generator's samples carry the policy_version that produced them, and it advances:
     # async trains on rollouts one version old (0, 0, 1), sync on the current ones (0, 1, 2).
     versions = sorted({(r["tick"], r["policy_version"]) for r in read_samples(out)})

@@ -7,8 +7,10 @@ after the other on this machine, with the same model, prompts and lengths. Print
 step, completion tokens trained per second and its ratio to TRL's at the same precision, the generate
 and train time per batch, the weight sync, the best step time the schedule can reach with those phase
 times (max(generate, train) + sync when they overlap, their sum in sync mode) and the step time over it,
-the train time over the bf16 FLOP floor of the step, the staleness figures, and the peak memory of every
-process of the run (ranks, engines, reward workers, launcher) and its ratio to TRL's.
+the train time over the bf16 FLOP floor of the step, the staleness figures, and the memory of every
+process of the run (ranks, engines, reward workers, launcher) against TRL's, two ways
+(`llamarl.control.memory`): the sum of per-process peak RSS (each process counts the library pages it
+shares with the others in full) and the largest PSS of them all at once (shared pages counted once).
 
 The bf16 FLOP floor of a training step: 6 x parameters x tokens forwarded (each group's prompt once plus
 every completion token) over the rate of a bf16 matrix product of the trainer's shapes measured here
@@ -172,6 +174,7 @@ def figures(summary: dict, out: Path, args: argparse.Namespace) -> dict[str, flo
         "lag_max": summary["policy_lag_max"],
         "dropped": summary.get("stream", {}).get("dropped_stale_groups", 0),
         "peak_gb": summary["peak_rss_mb_total"] / 1024,
+        "peak_pss_gb": summary["peak_pss_mb_total"] / 1024,
     }
 
 
@@ -225,20 +228,26 @@ def main(argv: list[str] | None = None) -> int:
                 row["x_trl_memory"] = (
                     row["peak_gb"] * 1024 / base["peak_rss_mb_total"] if base else float("nan")
                 )
+                row["x_trl_pss"] = (
+                    row["peak_pss_gb"] * 1024 / base["peak_pss_mb_total"] if base else float("nan")
+                )
                 row["memory_per_process"] = summary["memory_per_process"]
                 rows[name] = row
     load_after = os.getloadavg()
     print(f"\nload average before: {' '.join(f'{x:.1f}' for x in load_before)}; after: "
           f"{' '.join(f'{x:.1f}' for x in load_after)}; bf16 matmul GFLOP/s by threads: "
           f"{ {t: round(r) for t, r in floor._rates.items()} }")  # fmt: skip
-    print("\n| run | s/step | completion tok/s | x TRL tok/s | peak GB (all processes) | x TRL memory |")
-    print("|---|---|---|---|---|---|")
+    print("\n| run | s/step | completion tok/s | x TRL tok/s | peak GB (sum of peak RSS) | x TRL "
+          "| peak GB (PSS at once) | x TRL |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
     for precision, t in trl.items():
         print(f"| TRL GRPOTrainer {precision} | {t['step_s']:.1f} | {t['gen_tokens_per_s']:.1f} | 1.00 | "
-              f"{t['peak_rss_mb_total'] / 1024:.1f} | 1.00 |")  # fmt: skip
+              f"{t['peak_rss_mb_total'] / 1024:.1f} | 1.00 | "
+              f"{t['peak_pss_mb_total'] / 1024:.1f} | 1.00 |")  # fmt: skip
     for name, r in rows.items():
         print(f"| llamarl {name} | {r['step_s']:.1f} | {r['tokens_per_s']:.1f} | {r['x_trl_tokens']:.2f} | "
-              f"{r['peak_gb']:.1f} | {r['x_trl_memory']:.2f} |")  # fmt: skip
+              f"{r['peak_gb']:.1f} | {r['x_trl_memory']:.2f} | "
+              f"{r['peak_pss_gb']:.1f} | {r['x_trl_pss']:.2f} |")  # fmt: skip
     print("\n| run | generate s | train s | sync s | bound s | step / bound | bf16 floor s | train / floor "
           "| max lag | dropped groups |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|")

@@ -102,7 +102,7 @@ def main() -> int:
         "gen_tokens_per_s": tokens / loop_s,
         "reward_mean": [r.get("reward", float("nan")) for r in logs],
         "load_avg": os.getloadavg(),
-        **memory_summary(memory.processes()),
+        **memory_summary(memory.processes(), memory.peak_pss_total_mb),
     }
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2) + "\n")

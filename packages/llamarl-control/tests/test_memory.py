@@ -65,3 +65,35 @@ def test_spawned_workers_are_told_from_the_resource_tracker_by_what_they_run():
     finally:
         worker.kill()
         worker.join()
+
+
+# A parent that touches 200 MB, then forks 3 children that keep it (copy-on-write, never written): four
+# processes, each with 200 MB resident, holding 200 MB together.
+SHARING = (
+    "import os, sys, time; b = bytearray(200 << 20); b[::4096] = b'x' * len(b[::4096]); "
+    "kids = [os.fork() or time.sleep(30) for _ in range(3)]; print('forked', flush=True); time.sleep(30)"
+)
+
+
+@pytest.mark.timeout(60)
+def test_pages_shared_by_forked_processes_count_once_in_the_pss_total_and_in_full_in_each_rss():
+    memory = ProcessTreeMemory("launcher", interval_s=0.1)
+    parent = subprocess.Popen([sys.executable, "-c", SHARING], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout.readline().strip() == "forked"
+        time.sleep(0.5)  # the children are up and resident
+        memory.start()
+        memory.stop()
+    finally:
+        import psutil
+
+        for child in psutil.Process(parent.pid).children():
+            child.kill()
+        parent.kill()
+        parent.wait()
+    shared = [p for p in memory.processes() if p["peak_rss_mb"] > 200]
+    assert len(shared) == 4  # the parent and its 3 forks each count the 200 MB in their RSS
+    rss_total = memory_summary(memory.processes())["peak_rss_mb_total"]
+    assert rss_total > 800
+    # Together they hold the 200 MB once (plus each one's interpreter).
+    assert 200 < memory.peak_pss_total_mb < 200 + (rss_total - 800) + 100

@@ -6,9 +6,13 @@ daemon thread every `interval_s`, and keeps each process's peak: the kernel's ow
 (`VmHWM` in /proc/PID/status, exact however short the peak) where Linux gives it, else the largest RSS
 sampled. A process that exits between two samples keeps the peak read at the last sample before.
 
-Totals are sums of per-process peaks: an upper bound of what the processes held at any one instant
-(their peaks may fall at different times), and the figure comparable across frameworks measured the
-same way (tools/bench_modes.py measures TRL so).
+Two totals. `peak_rss_mb_total` sums per-process peaks: an upper bound of what the processes held at
+any one instant (their peaks may fall at different times, and every process counts the pages it shares
+with others in full: each process that imports torch counts libtorch's ~250 MB of library pages, each
+rank forked from one server counts the pages it still shares with it). `peak_pss_mb_total` is the
+largest sampled sum of proportional set sizes (PSS: a page shared by n processes counts 1/n in each):
+what the processes held together at one instant, each page once, short of spikes between two samples.
+tools/bench_modes.py measures TRL both ways too.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ class ProcessTreeMemory:
         self.interval_s = interval_s
         self._root = psutil.Process()
         self._peaks: dict[int, dict[str, Any]] = {}
+        self.peak_pss_total_mb = 0.0  # the largest sampled PSS of the whole tree at once
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -60,11 +65,13 @@ class ProcessTreeMemory:
             self.sample()
 
     def sample(self) -> None:
-        """Reads the peak of this process and of each descendant alive now."""
+        """Reads the peak of this process and of each descendant alive now, and their PSS together."""
         try:
             children = self._root.children(recursive=True)
         except psutil.Error:
             children = []
+        pss_mb = processes_pss_bytes([self._root, *children]) / MB
+        self.peak_pss_total_mb = max(self.peak_pss_total_mb, pss_mb)
         for process in [self._root, *children]:
             try:
                 peak = _peak_rss_bytes(process)
@@ -87,6 +94,18 @@ class ProcessTreeMemory:
         descendants in the order they were first seen."""
         with self._lock:
             return [dict(p) for p in self._peaks.values()]
+
+
+def processes_pss_bytes(processes: list[psutil.Process]) -> int:
+    """The processes' proportional set sizes summed, now (0 for one gone meanwhile, or where the
+    kernel does not report PSS): what they hold together, a page shared among them counted once."""
+    total = 0
+    for process in processes:
+        try:
+            total += process.memory_full_info().pss
+        except (psutil.Error, AttributeError):
+            continue
+    return total
 
 
 def _peak_rss_bytes(process: psutil.Process) -> int:
@@ -122,12 +141,16 @@ def describe_process(
     return f"{root_label} {what}"
 
 
-def memory_summary(processes: list[dict[str, Any]]) -> dict[str, Any]:
-    """The summary's memory figures: every process's peak and their sum (MB)."""
-    return {
+def memory_summary(processes: list[dict[str, Any]], peak_pss_mb_total: float | None = None) -> dict[str, Any]:
+    """The summary's memory figures (MB): every process's peak, their sum and, where sampled, the
+    largest PSS of all of them at once."""
+    figures = {
         "memory_per_process": processes,
         "peak_rss_mb_total": sum(p["peak_rss_mb"] for p in processes),
     }
+    if peak_pss_mb_total is not None:
+        figures["peak_pss_mb_total"] = peak_pss_mb_total
+    return figures
 
 
 def own_peak(label: str) -> dict[str, Any]:

@@ -200,12 +200,16 @@ def write_report(output_dir: Path) -> Path:
 
 
 def memory_line(summary: dict[str, Any]) -> str:
-    """ "peak memory 11.0 GB: rank 0 trainer 5.8, rank 1 generator vllm engine 3.4, ..." from a summary."""
+    """ "peak memory 11.0 GB (9.1 GB at once): rank 0 trainer 5.8, rank 1 generator vllm engine 3.4, ..."
+    from a summary: the sum of per-process peaks, the largest PSS of all at once where sampled, each
+    process's peak."""
     processes = summary.get("memory_per_process") or []
     if not processes:
         return ""
     parts = [f"{p['process']} {p['peak_rss_mb'] / 1024:.1f}" for p in processes]
-    return f"peak memory {summary['peak_rss_mb_total'] / 1024:.1f} GB: " + ", ".join(parts)
+    at_once = summary.get("peak_pss_mb_total")
+    at_once = "" if at_once is None else f" ({at_once / 1024:.1f} GB at once)"
+    return f"peak memory {summary['peak_rss_mb_total'] / 1024:.1f} GB{at_once}: " + ", ".join(parts)
 
 
 def _fmt(value: float | None) -> str:

@@ -41,6 +41,7 @@ SUMMARY_SHOWN = (
     "eval_accuracy_end",
     "final_policy_version",
     "peak_rss_mb_total",
+    "peak_pss_mb_total",
 )
 
 DataResolver = Callable[[RunConfig, Task], str | None]
