@@ -43,7 +43,7 @@ def main() -> int:
 
     from llamarl.control.memory import ProcessTreeMemory, memory_summary
 
-    memory = ProcessTreeMemory("trl trainer").start()  # before anything is loaded
+    memory = ProcessTreeMemory("trl trainer", at_once=True).start()  # before anything is loaded
     try:
         from datasets import Dataset
         from trl import GRPOConfig, GRPOTrainer
@@ -102,7 +102,7 @@ def main() -> int:
         "gen_tokens_per_s": tokens / loop_s,
         "reward_mean": [r.get("reward", float("nan")) for r in logs],
         "load_avg": os.getloadavg(),
-        **memory_summary(memory.processes(), memory.peak_pss_total_mb),
+        **memory_summary(memory.processes(), memory.at_once.peak_mb),
     }
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2) + "\n")

@@ -30,7 +30,7 @@ from types import FrameType
 from typing import Any
 
 from llamarl.control.config import ConfigError
-from llamarl.control.memory import processes_pss_bytes
+from llamarl.control.memory import PeakAtOnce, rss_bytes
 
 # Exit codes of the apps: a run that failed, and one that was interrupted (128 + the signal, as shells do).
 EXIT_FAILED = 1
@@ -178,7 +178,7 @@ def describe_record(record: dict[str, Any], errors_dir: Path) -> str:
 class MemoryWatch:
     """Samples, twice a second, the memory of every process under the launcher (each rank with its
     engines and workers) and what the machine has left: the evidence for a rank the kernel killed; and
-    the PSS of the whole run at once, the launcher included (`peak_pss_mb`).
+    the most the whole run held at once, the launcher included (`at_once`).
     Also reads the memory cgroup's OOM-kill count at start, to tell later whether the kernel's OOM
     killer struck in between."""
 
@@ -186,7 +186,7 @@ class MemoryWatch:
         self.period_s = period_s
         self.rss_mb: dict[int, float] = {}  # pid of a rank -> its tree's RSS at the last look
         self.peak_rss_mb: dict[int, float] = {}
-        self.peak_pss_mb = 0.0  # every process of the run (this one too) at once: `memory` module
+        self.at_once = PeakAtOnce()  # every process of the run, this one too
         self.available_mb: float | None = None
         self.total_mb: float | None = None
         self.oom_kills_at_start = cgroup_oom_kills()
@@ -210,11 +210,10 @@ class MemoryWatch:
             try:
                 for child in rank_processes(me):
                     tree = [child, *child.children(recursive=True)]
-                    rss = sum(_rss(p) for p in tree) / 2**20
+                    rss = sum(rss_bytes(p) for p in tree) / 2**20
                     self.rss_mb[child.pid] = rss
                     self.peak_rss_mb[child.pid] = max(rss, self.peak_rss_mb.get(child.pid, 0.0))
-                everything = [me, *me.children(recursive=True)]
-                self.peak_pss_mb = max(self.peak_pss_mb, processes_pss_bytes(everything) / 2**20)
+                self.at_once.sample([me, *me.children(recursive=True)])
                 memory = psutil.virtual_memory()
                 self.available_mb, self.total_mb = memory.available / 2**20, memory.total / 2**20
             except psutil.Error:
@@ -232,13 +231,6 @@ def rank_processes(launcher: Any) -> list[Any]:
             continue
         ranks.extend(child.children() if forks_ranks else [child])
     return ranks
-
-
-def _rss(process: Any) -> int:
-    try:
-        return process.memory_info().rss
-    except Exception:  # gone meanwhile
-        return 0
 
 
 def cgroup_oom_kills() -> int | None:

@@ -178,7 +178,7 @@ def launch(
     # and this process (the launcher) holds memory too.
     added = {
         "wall_s": time.perf_counter() - start,
-        **memory_summary([*summary["memory_per_process"], own_peak("launcher")], memory.peak_pss_mb),
+        **memory_summary([*summary["memory_per_process"], own_peak("launcher")], memory.at_once.peak_mb),
     }
     summary.update(added)
     summary_path.write_text(json.dumps({**json.loads(summary_path.read_text()), **added}, indent=2) + "\n")

@@ -11,8 +11,8 @@ any one instant (their peaks may fall at different times, and every process coun
 with others in full: each process that imports torch counts libtorch's ~250 MB of library pages, each
 rank forked from one server counts the pages it still shares with it). `peak_pss_mb_total` is the
 largest sampled sum of proportional set sizes (PSS: a page shared by n processes counts 1/n in each):
-what the processes held together at one instant, each page once, short of spikes between two samples.
-tools/bench_modes.py measures TRL both ways too.
+what the processes held together at one instant, each page once (`PeakAtOnce`). The launcher samples it
+over the whole run; tools/bench_modes.py measures TRL both ways too.
 """
 
 from __future__ import annotations
@@ -34,13 +34,21 @@ class ProcessTreeMemory:
     the multiprocessing children of this process (a generator rank's are its reward workers).
     """
 
-    def __init__(self, label: str, *, worker_label: str = "worker process", interval_s: float = 0.5) -> None:
+    def __init__(
+        self,
+        label: str,
+        *,
+        worker_label: str = "worker process",
+        interval_s: float = 0.5,
+        at_once: bool = False,
+    ) -> None:
         self.label = label
         self.worker_label = worker_label
         self.interval_s = interval_s
         self._root = psutil.Process()
         self._peaks: dict[int, dict[str, Any]] = {}
-        self.peak_pss_total_mb = 0.0  # the largest sampled PSS of the whole tree at once
+        # The whole tree's memory at one instant (`peak_mb`), if asked for.
+        self.at_once = PeakAtOnce() if at_once else None
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -70,8 +78,8 @@ class ProcessTreeMemory:
             children = self._root.children(recursive=True)
         except psutil.Error:
             children = []
-        pss_mb = processes_pss_bytes([self._root, *children]) / MB
-        self.peak_pss_total_mb = max(self.peak_pss_total_mb, pss_mb)
+        if self.at_once is not None:
+            self.at_once.sample([self._root, *children])
         for process in [self._root, *children]:
             try:
                 peak = _peak_rss_bytes(process)
@@ -96,16 +104,43 @@ class ProcessTreeMemory:
             return [dict(p) for p in self._peaks.values()]
 
 
-def processes_pss_bytes(processes: list[psutil.Process]) -> int:
-    """The processes' proportional set sizes summed, now (0 for one gone meanwhile, or where the
-    kernel does not report PSS): what they hold together, a page shared among them counted once."""
-    total = 0
-    for process in processes:
-        try:
-            total += process.memory_full_info().pss
-        except (psutil.Error, AttributeError):
-            continue
-    return total
+class PeakAtOnce:
+    """The most memory a set of processes held together at one instant: their proportional set sizes
+    summed (a page shared among them counted once), in MB (`peak_mb`).
+
+    Reading a PSS makes the kernel walk every page the process maps (about 20 ms per GB, so every half
+    second over a run's 8 GB would take a third of a core), so `sample` reads PSS only when the
+    processes' summed RSS (cheap) reaches a new high: the instants at which their memory peaks."""
+
+    def __init__(self) -> None:
+        self.peak_mb = 0.0
+        self._rss_high = 0
+
+    def sample(self, processes: list[psutil.Process]) -> None:
+        rss = sum(rss_bytes(p) for p in processes)
+        if rss <= self._rss_high * 1.01:  # not a new high (by 1%: RSS creeps up by pages all run long)
+            return
+        self._rss_high = rss
+        self.peak_mb = max(self.peak_mb, sum(_pss_now(p) for p in processes) / MB)
+
+
+def rss_bytes(process: psutil.Process) -> int:
+    """The process's resident memory now (0 once it is gone)."""
+    try:
+        return process.memory_info().rss
+    except psutil.Error:  # gone meanwhile
+        return 0
+
+
+def _pss_now(process: psutil.Process) -> int:
+    """The process's PSS (smaps_rollup); its RSS where the kernel does not give PSS; 0 once it is gone."""
+    try:
+        for line in Path(f"/proc/{process.pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return rss_bytes(process)
 
 
 def _peak_rss_bytes(process: psutil.Process) -> int:
