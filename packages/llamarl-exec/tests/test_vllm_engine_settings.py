@@ -102,6 +102,16 @@ def test_the_cpu_engines_kv_cache_is_sized_for_the_run_unless_set(generator):
     assert built_with(generator("cpu", kv_cache_gib=0.25))["kv_cache_memory_bytes"] == 2**28
 
 
+def test_a_config_without_the_attention_shapes_gets_a_kv_cache_of_1_gib(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "eos_token_id": 2}))
+    assert built_with(_generator(tmp_path, "cpu"))["kv_cache_memory_bytes"] == 2**30
+    # A vision-language model's shapes are its text model's.
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": MODEL_CONFIG}))
+    assert built_with(_generator(tmp_path, "cpu"))["kv_cache_memory_bytes"] == int(
+        512 * (1024 + 128) * 2 * 30 * 3 * 64 * 4 * 1.1
+    )
+
+
 def test_the_engine_process_sees_only_its_ranks_gpu(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     env = engine_env(num_threads=4, device="cuda:3")

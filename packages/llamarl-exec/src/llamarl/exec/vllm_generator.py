@@ -175,13 +175,14 @@ class VLLMGenerator:
         if self.engine.kv_cache_gib is not None:
             return int(self.engine.kv_cache_gib * 2**30)
         config = json.loads((Path(self.model_name) / "config.json").read_text())
-        return kv_cache_bytes(
-            config,
+        sized = kv_cache_bytes(
+            config.get("text_config", config),  # a vision-language model's is its text model's
             dtype=self.dtype,
             sequences=self.engine.max_num_seqs or self.batch_sequences,
             new_tokens=self.sampling.max_new_tokens,
             max_model_len=self.engine.max_model_len,
         )
+        return FALLBACK_KV_CACHE_BYTES if sized is None else sized
 
     @property
     def engine_pid(self) -> int | None:
@@ -431,18 +432,25 @@ class VLLMGenerator:
 # sequences need more still runs: vLLM then preempts sequences and recomputes them later.
 PROMPT_TOKENS_ALLOWANCE = 1024
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# A config that does not give the attention's shapes (the sizes a KV cache is made of): 1 GiB.
+FALLBACK_KV_CACHE_BYTES = 1 << 30
 
 
 def kv_cache_bytes(
     model_config: dict, *, dtype: str, sequences: int, new_tokens: int, max_model_len: int | None
-) -> int:
+) -> int | None:
     """Bytes of KV cache for `sequences` sequences of PROMPT_TOKENS_ALLOWANCE + `new_tokens` tokens, and
     at least for one of the engine's longest (`max_model_len`, else the model's: vLLM refuses to start
     otherwise), with 10% over for vLLM's rounding to whole blocks. `model_config`: the model folder's
-    config.json; a token takes keys and values of every layer's KV heads, in `dtype`."""
+    config.json; a token takes keys and values of every layer's KV heads, in `dtype`. None when the
+    config lacks the layer count, the head count or the dtype is not one of vLLM's float types."""
+    if not {"num_hidden_layers", "num_attention_heads"} <= model_config.keys() or dtype not in _DTYPE_BYTES:
+        return None
     heads = model_config["num_attention_heads"]
     kv_heads = model_config.get("num_key_value_heads") or heads
-    head_dim = model_config.get("head_dim") or model_config["hidden_size"] // heads
+    head_dim = model_config.get("head_dim") or model_config.get("hidden_size", 0) // heads
+    if not head_dim:
+        return None
     per_token = 2 * model_config["num_hidden_layers"] * kv_heads * head_dim * _DTYPE_BYTES[dtype]
     longest = max_model_len or model_config.get("max_position_embeddings", 0)
     tokens = max(sequences * (PROMPT_TOKENS_ALLOWANCE + new_tokens), longest)
