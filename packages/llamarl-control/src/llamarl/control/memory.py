@@ -18,6 +18,7 @@ over the whole run; tools/bench_modes.py measures TRL both ways too.
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -110,17 +111,24 @@ class PeakAtOnce:
 
     Reading a PSS makes the kernel walk every page the process maps (about 20 ms per GB, so every half
     second over a run's 8 GB would take a third of a core), so `sample` reads PSS only when the
-    processes' summed RSS (cheap) reaches a new high: the instants at which their memory peaks."""
+    processes' summed RSS (cheap) is 5% above its value at the last read, and at most once a second:
+    near the instants at which their memory peaks (a peak that recurs, each training step's, is read
+    at one of its returns if the first came too soon)."""
+
+    RISE = 1.05  # RSS creeps up by pages all run long: only a real rise is worth a read
+    MIN_INTERVAL_S = 1.0
 
     def __init__(self) -> None:
         self.peak_mb = 0.0
-        self._rss_high = 0
+        self._rss_at_read = 0
+        self._read_at = -float("inf")
 
     def sample(self, processes: list[psutil.Process]) -> None:
         rss = sum(rss_bytes(p) for p in processes)
-        if rss <= self._rss_high * 1.01:  # not a new high (by 1%: RSS creeps up by pages all run long)
+        now = time.monotonic()
+        if rss <= self._rss_at_read * self.RISE or now - self._read_at < self.MIN_INTERVAL_S:
             return
-        self._rss_high = rss
+        self._rss_at_read, self._read_at = rss, now
         self.peak_mb = max(self.peak_mb, sum(_pss_now(p) for p in processes) / MB)
 
 
