@@ -142,24 +142,25 @@ def rss_bytes(process: psutil.Process) -> int:
 
 def _pss_now(process: psutil.Process) -> int:
     """The process's PSS (smaps_rollup); its RSS where the kernel does not give PSS; 0 once it is gone."""
-    try:
-        for line in Path(f"/proc/{process.pid}/smaps_rollup").read_text().splitlines():
-            if line.startswith("Pss:"):
-                return int(line.split()[1]) * 1024  # kB
-    except (OSError, ValueError, IndexError):
-        pass
-    return rss_bytes(process)
+    pss = _proc_bytes(process.pid, "smaps_rollup", "Pss:")
+    return rss_bytes(process) if pss is None else pss
 
 
 def _peak_rss_bytes(process: psutil.Process) -> int:
     """The process's peak resident memory: the kernel's high-water mark where Linux reports it, else now."""
+    peak = _proc_bytes(process.pid, "status", "VmHWM:")
+    return process.memory_info().rss if peak is None else peak
+
+
+def _proc_bytes(pid: int, file: str, field: str) -> int | None:
+    """A kB figure of /proc/PID/FILE (its line starting with `field`) in bytes; None where it is not."""
     try:
-        for line in Path(f"/proc/{process.pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024  # kB
+        for line in Path(f"/proc/{pid}/{file}").read_text().splitlines():
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
-    return process.memory_info().rss
+    return None
 
 
 def describe_process(
