@@ -208,16 +208,31 @@ class MemoryWatch:
         me = psutil.Process()
         while not self._stop.wait(self.period_s):
             try:
+                everything = [me, *me.children(recursive=True)]  # one walk of the process table
                 for child in rank_processes(me):
-                    tree = [child, *child.children(recursive=True)]
+                    tree = [child, *_descendants(child, everything)]
                     rss = sum(rss_bytes(p) for p in tree) / 2**20
                     self.rss_mb[child.pid] = rss
                     self.peak_rss_mb[child.pid] = max(rss, self.peak_rss_mb.get(child.pid, 0.0))
-                self.at_once.sample([me, *me.children(recursive=True)])
+                self.at_once.sample(everything)
                 memory = psutil.virtual_memory()
                 self.available_mb, self.total_mb = memory.available / 2**20, memory.total / 2**20
             except psutil.Error:
                 continue
+
+
+def _descendants(root: Any, processes: list[Any]) -> list[Any]:
+    """Those of `processes` (psutil, listed parents first) below `root`, from their parent pids."""
+    below = {root.pid}
+    found = []
+    for process in processes:
+        try:
+            if process.ppid() in below:
+                below.add(process.pid)
+                found.append(process)
+        except Exception:  # gone meanwhile
+            continue
+    return found
 
 
 def rank_processes(launcher: Any) -> list[Any]:

@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from llamarl.comm.layouts import dtype_from_str
 from llamarl.exec.config import GeneratorConfig, SamplingConfig
 from llamarl.exec.padding import completion_mask, left_pad, right_pad
 from llamarl.exec.types import GenerationPaused, RolloutBatch, TurnOutput
@@ -431,7 +432,6 @@ class VLLMGenerator:
 # Tokens a prompt may take (chat template, earlier turns) when the KV cache is sized for a run. A run whose
 # sequences need more still runs: vLLM then preempts sequences and recomputes them later.
 PROMPT_TOKENS_ALLOWANCE = 1024
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # A config that does not give the attention's shapes (the sizes a KV cache is made of): 1 GiB.
 FALLBACK_KV_CACHE_BYTES = 1 << 30
 
@@ -442,16 +442,16 @@ def kv_cache_bytes(
     """Bytes of KV cache for `sequences` sequences of PROMPT_TOKENS_ALLOWANCE + `new_tokens` tokens, and
     at least for one of the engine's longest (`max_model_len`, else the model's: vLLM refuses to start
     otherwise), with 10% over for vLLM's rounding to whole blocks. `model_config`: the model folder's
-    config.json; a token takes keys and values of every layer's KV heads, in `dtype`. None when the
-    config lacks the layer count, the head count or the dtype is not one of vLLM's float types."""
-    if not {"num_hidden_layers", "num_attention_heads"} <= model_config.keys() or dtype not in _DTYPE_BYTES:
+    config.json; a token takes keys and values of every layer's KV heads, in `dtype` (a torch dtype's
+    name). None when the config lacks the layer count or the head count."""
+    if not {"num_hidden_layers", "num_attention_heads"} <= model_config.keys():
         return None
     heads = model_config["num_attention_heads"]
     kv_heads = model_config.get("num_key_value_heads") or heads
     head_dim = model_config.get("head_dim") or model_config.get("hidden_size", 0) // heads
     if not head_dim:
         return None
-    per_token = 2 * model_config["num_hidden_layers"] * kv_heads * head_dim * _DTYPE_BYTES[dtype]
+    per_token = 2 * model_config["num_hidden_layers"] * kv_heads * head_dim * dtype_from_str(dtype).itemsize
     longest = max_model_len or model_config.get("max_position_embeddings", 0)
     tokens = max(sequences * (PROMPT_TOKENS_ALLOWANCE + new_tokens), longest)
     return int(tokens * per_token * 1.1)
