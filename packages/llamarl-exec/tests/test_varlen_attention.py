@@ -178,3 +178,43 @@ def test_branches_that_saw_each_other_would_differ(model):
     packed, _, padded, _ = _shared_prefix_case(model, as_segment=Segment(PROMPT + sum(BRANCHES)))
     torch.testing.assert_close(packed[:2], padded[:2], rtol=1e-5, atol=1e-5)
     assert (packed[2] - padded[2]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("keys", [11, 7], ids=["after_a_prefix", "causal"])
+def test_eager_pieces_match_sdpa_with_grouped_heads(keys):
+    """The matrix-product attention of short bf16 pieces on the CPU (`_eager_attention`) computes what
+    SDPA does, forward and backward, with 6 query heads reading 2 key/value heads (float64, so only a
+    wrong head mapping or mask shows)."""
+    g = torch.Generator().manual_seed(4)
+    query = torch.randn(6, 7, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    key = torch.randn(2, keys, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    value = torch.randn(2, keys, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    mask = varlen_attention._prefix_causal_mask(7, keys - 7, query.device) if keys != 7 else None
+    weights = torch.randn(7, 6, 8, generator=g, dtype=torch.float64)
+    eager = varlen_attention._eager_attention(query, key, value, mask, scale=0.3)
+    eager_grads = torch.autograd.grad((eager * weights).sum(), (query, key, value))
+    reference = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, is_causal=mask is None, scale=0.3, enable_gqa=True
+    ).transpose(0, 1)
+    reference_grads = torch.autograd.grad((reference * weights).sum(), (query, key, value))
+    torch.testing.assert_close(eager, reference)
+    for got, want in zip(eager_grads, reference_grads, strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def test_bf16_shared_prefix_rows_take_the_eager_path(model, monkeypatch):
+    """In bf16 every piece of a shared-prefix row goes through `_eager_attention` (the prompt and each
+    completion, in every layer), and the completions' log-probs stay within bf16's rounding of their
+    own rows under SDPA."""
+    calls = []
+    eager = varlen_attention._eager_attention
+
+    def count(*args, **kwargs):
+        calls.append(args[0].shape[1])
+        return eager(*args, **kwargs)
+
+    monkeypatch.setattr(varlen_attention, "_eager_attention", count)
+    packed, _, padded, _ = _shared_prefix_case(model.to(torch.bfloat16), as_segment=Segment(PROMPT, BRANCHES))
+    assert calls == [PROMPT, *BRANCHES] * model.config.num_hidden_layers
+    for p, q in zip(packed, padded, strict=True):
+        torch.testing.assert_close(p.float(), q.float(), rtol=0, atol=3e-2)
