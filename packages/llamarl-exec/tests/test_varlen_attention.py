@@ -191,7 +191,7 @@ def test_eager_pieces_match_sdpa_with_grouped_heads(keys):
     value = torch.randn(2, keys, 8, generator=g, dtype=torch.float64, requires_grad=True)
     mask = varlen_attention._prefix_causal_mask(7, keys - 7, query.device) if keys != 7 else None
     weights = torch.randn(7, 6, 8, generator=g, dtype=torch.float64)
-    eager = varlen_attention._eager_attention(query, key, value, mask, scale=0.3)
+    eager = varlen_attention._eager_attention(query, key, value, scale=0.3)
     eager_grads = torch.autograd.grad((eager * weights).sum(), (query, key, value))
     reference = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, is_causal=mask is None, scale=0.3, enable_gqa=True

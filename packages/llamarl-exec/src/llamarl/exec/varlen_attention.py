@@ -84,8 +84,8 @@ def _eager_is_faster(query_HLD: torch.Tensor, key_HKD: torch.Tensor, dropout: fl
     """Whether a piece goes to `_eager_attention`: short bf16/fp16 pieces on the CPU, without dropout.
 
     Measured here (2 threads, SmolLM2's 9 query and 3 key/value heads of 64, forward and backward of the
-    pieces of a packed GSM8K row): torch's CPU flash kernel 2.0 s for 30 layers, three matrix products
-    and a softmax 1.0 s; its bf16 backward dominates (3.5 ms for a 150-token causal piece, whose
+    pieces of a packed GSM8K row): torch's CPU flash kernel 2.0 s for 30 layers, two matrix products
+    and a softmax 0.9 s; the kernel's bf16 backward dominates (3.5 ms for a 150-token causal piece, whose
     products take well under 1 ms). In float32 the two tie (1.6 s), so float32 keeps the kernel and its
     smaller memory; on a GPU the fused kernels win.
     """
@@ -101,27 +101,29 @@ def _eager_attention(
     query_HLD: torch.Tensor,
     key_HkvKD: torch.Tensor,
     value_HkvKD: torch.Tensor,
-    mask_LK: torch.Tensor | None,
     *,
     scale: float | None,
 ) -> torch.Tensor:
     """softmax(q k^T * scale + mask) v for one piece, as matrix products; returns [L, H, D].
 
-    `mask_LK` (bool, True = attend) or None for causal (L == K). Grouped-query heads are matched by
-    folding each key/value head's r query heads into its rows (query head h reads key/value head h // r,
-    as SDPA's `enable_gqa` and transformers' `repeat_kv` do), so no key or value is copied per head.
+    The keys are K - L keys every query sees (a shared prompt's, or none) followed by the piece's own L,
+    seen causally: the mask of every piece of a packed row. Grouped-query heads are matched by folding
+    each key/value head's r query heads into its rows (query head h reads key/value head h // r, as
+    SDPA's `enable_gqa` and transformers' `repeat_kv` do), so no key or value is copied per head.
     """
     heads, length, dim = query_HLD.shape
     kv_heads, keys, _ = key_HkvKD.shape
-    if mask_LK is None:
-        mask_LK = _prefix_causal_mask(length, keys - length, query_HLD.device)
     per_kv = heads // kv_heads
+    # Scaled before the product: L x D multiplies instead of L x K.
+    query_HLD = query_HLD * (dim**-0.5 if scale is None else scale)
     scores_GRLK = (query_HLD.reshape(kv_heads, per_kv * length, dim) @ key_HkvKD.transpose(1, 2)).view(
         kv_heads, per_kv, length, keys
     )
-    scores_GRLK = scores_GRLK * (dim**-0.5 if scale is None else scale)
-    # A finite fill: a row with no key left (none here) gives a uniform row rather than NaNs.
-    probs_GRLK = scores_GRLK.masked_fill_(~mask_LK, torch.finfo(scores_GRLK.dtype).min).softmax(-1)
+    # Only the piece's own keys need masking. A finite fill, in case a row had no key left (none here):
+    # a uniform row rather than NaNs.
+    causal_LL = _prefix_causal_mask(length, 0, query_HLD.device)
+    scores_GRLK[..., keys - length :].masked_fill_(~causal_LL, torch.finfo(scores_GRLK.dtype).min)
+    probs_GRLK = scores_GRLK.softmax(-1)
     out_HLD = (probs_GRLK.view(kv_heads, per_kv * length, keys) @ value_HkvKD).view(heads, length, dim)
     return out_HLD.transpose(0, 1)
 
@@ -139,9 +141,11 @@ def _row_attention(
     """Attention within each segment of one row; returns [T, H, D] (token-major, as the model's output
     projection reads it)."""
 
-    def attend(q, k, v, mask=None):  # [H, L, D] -> [L, H, D]
+    def attend(q, k, v):  # [H, L, D] -> [L, H, D]; keys: a visible prefix, then the piece's own
         if _eager_is_faster(q, k, dropout):
-            return _eager_attention(q, k, v, mask, scale=scale)
+            return _eager_attention(q, k, v, scale=scale)
+        length, keys = q.shape[1], k.shape[1]
+        mask = None if keys == length else _prefix_causal_mask(length, keys - length, q.device)
         return F.scaled_dot_product_attention(
             q,
             k,
@@ -168,7 +172,7 @@ def _row_attention(
         prefix = index
         outs_LHD.append(attend(query_parts[prefix], key_parts[prefix], value_parts[prefix]))
         index += 1
-        for length in segment.branches:
+        for _ in segment.branches:
             # The branch's keys/values are the prefix's then its own (a copy of the prefix's per branch,
             # small next to the branch's own compute; the prefix's gradient sums over its branches).
             outs_LHD.append(
@@ -176,7 +180,6 @@ def _row_attention(
                     query_parts[index],
                     torch.cat([key_parts[prefix], key_parts[index]], dim=1),
                     torch.cat([value_parts[prefix], value_parts[index]], dim=1),
-                    _prefix_causal_mask(length, segment.prefix, query_HTD.device),
                 )
             )
             index += 1
