@@ -9,7 +9,8 @@ at each one. Left to itself, transformers turns those restarts into a dense bloc
 and SDPA with an arbitrary mask takes its slow math path: quadratic in the packed length, and mostly
 spent on the blocks that are masked out. This implementation instead cuts the row at the segment
 boundaries and runs causal SDPA (`is_causal=True`, the fast kernels) on each segment, so no [T, T] mask
-is ever built and no work is spent across segments.
+is ever built and no work is spent across segments. Short bf16 pieces on the CPU are attended by plain
+matrix products instead (`_eager_attention`), where torch's CPU flash kernel is slower.
 
 Segments may also share a prefix (`Segment`): a group's prompt laid once, followed by its samples'
 completions, each attending to the prompt and to itself only, so the prompt's tokens are computed once
@@ -77,7 +78,7 @@ def _prefix_causal_mask(branch: int, prefix: int, device: torch.device) -> torch
 
 EAGER_MAX_SCORES = 512 * 512
 """Largest query x key piece (per head) that `_eager_attention` takes: it keeps its [H, L, K]
-probabilities for backward (4.5 MB a layer at 9 heads in bf16), where the flash kernel keeps O(L)."""
+probabilities for backward (4.7 MB per piece and layer at 9 heads in bf16), where the flash kernel keeps O(L)."""
 
 
 def _eager_is_faster(query_HLD: torch.Tensor, key_HKD: torch.Tensor, dropout: float) -> bool:
