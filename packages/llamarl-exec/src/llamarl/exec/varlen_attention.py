@@ -78,7 +78,7 @@ def _prefix_causal_mask(branch: int, prefix: int, device: torch.device) -> torch
 
 EAGER_MAX_SCORES = 512 * 512
 """Largest query x key piece (per head) that `_eager_attention` takes: it keeps its [H, L, K]
-probabilities for backward (4.7 MB per piece and layer at 9 heads in bf16), where the flash kernel keeps O(L)."""
+probabilities for backward (4.7 MB per piece and layer at 9 heads in bf16), the flash kernel O(L)."""
 
 
 def _eager_is_faster(query_HLD: torch.Tensor, key_HKD: torch.Tensor, dropout: float) -> bool:
