@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from llamarl.exec import HFGenerator, SamplingConfig
+from llamarl.exec.hf_generator import draw_tokens
 from llamarl.exec.testing import TINY_EOS_TOKEN_ID as EOS_TOKEN_ID
 from llamarl.exec.testing import TINY_PAD_TOKEN_ID as PAD_TOKEN_ID
 from llamarl.exec.testing import TINY_VOCAB_SIZE as VOCAB_SIZE
@@ -86,6 +87,24 @@ def test_behavior_logprobs_match_a_separate_forward_pass(generator, tiny_model_d
     torch.testing.assert_close(trainer_logprobs, batch.behavior_logprobs_BC, atol=1e-5, rtol=1e-5)
 
 
+def test_each_prompt_is_forwarded_once_for_all_its_samples(generator, monkeypatch):
+    """The prompts' tokens but the last go through the model once per prompt (3 rows), not once per
+    sample (6); then every forward pass is one token per row. The log-prob test above shows that the
+    repeated cache is each row's own prompt."""
+    shapes = []
+    forward = generator.model.forward
+
+    def record(*args, **kwargs):
+        shapes.append(tuple(kwargs["input_ids"].shape))
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(generator.model, "forward", record)
+    generator.generate(PROMPTS, samples_per_prompt=2, max_new_tokens=4)
+    width = max(map(len, PROMPTS))
+    assert shapes[0] == (len(PROMPTS), width - 1)
+    assert set(shapes[1:]) == {(2 * len(PROMPTS), 1)} and len(shapes) == 1 + 4
+
+
 def test_greedy_is_deterministic(generator):
     first = generator.generate(PROMPTS, samples_per_prompt=2, max_new_tokens=8, greedy=True)
     second = generator.generate(PROMPTS, samples_per_prompt=2, max_new_tokens=8, greedy=True)
@@ -143,3 +162,16 @@ def test_weights_loaded_between_decoding_steps_take_effect_and_stamp_every_token
     old_logprobs = recomputed.compute_logprobs(batch)
     torch.testing.assert_close(batch.behavior_logprobs_BC[:, :4], old_logprobs[:, :4], atol=1e-5, rtol=1e-5)
     assert (batch.behavior_logprobs_BC[:, 4:] - old_logprobs[:, 4:]).abs().max() > 1e-2
+
+
+def test_draw_tokens_follows_the_distribution():
+    """10 000 draws from [0.5, 0, 0.3, 0.2] and as many from a second row: each token's share within
+    0.015 of its probability, the zero-probability one never drawn."""
+    torch.manual_seed(0)
+    probs = torch.tensor([[0.5, 0.0, 0.3, 0.2], [0.2, 0.3, 0.0, 0.5]])
+    logprobs = probs.log().repeat(10_000, 1)
+    tokens = draw_tokens(logprobs).view(10_000, 2)
+    for row in range(2):
+        shares = torch.bincount(tokens[:, row], minlength=4).float() / 10_000
+        torch.testing.assert_close(shares, probs[row], rtol=0, atol=0.015)
+        assert shares[probs[row] == 0].item() == 0

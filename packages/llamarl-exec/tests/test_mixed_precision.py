@@ -1,7 +1,7 @@
 """bf16 mixed precision on one rank (a bf16 compute copy of float32 master weights) against float32 on the
 same batch, and bf16 generation: the stated tolerances.
 
-Tolerances (the tiny random Llama, 2 layers, hidden 32): the loss within 2% of float32's, the whole
+Tolerances (the tiny random Llama, 2 layers, hidden 32): the loss within 2% of float32's or 5e-4, the whole
 gradient within 2% (relative L2) and at cosine > 0.999 of float32's; per-token log-probs within 0.1 nat.
 """
 
@@ -54,7 +54,9 @@ def test_bf16_loss_and_gradients_stay_within_tolerance_of_fp32(tiny_model_dir, b
     assert {p.dtype for p in bf16.model.parameters()} == {torch.float32}
     assert {p.grad.dtype for p in bf16.model.parameters()} == {torch.float32}
     assert all(p.grad is None for p in bf16.compute_model.parameters())  # moved into the masters
-    assert metrics16["loss"] == pytest.approx(metrics32["loss"], rel=2e-2, abs=1e-4)
+    # The loss sums per-token terms of size ~0.5 that nearly cancel (each group's advantages sum to zero),
+    # so its bf16 error is absolute, not relative to the small sum: 5e-4 (measured 1.5e-4 on this batch).
+    assert metrics16["loss"] == pytest.approx(metrics32["loss"], rel=2e-2, abs=5e-4)
     assert metrics16["entropy_mean"] == pytest.approx(metrics32["entropy_mean"], rel=2e-2)
     g32, g16 = _flat_grad(fp32), _flat_grad(bf16)
     assert float((g16 - g32).norm() / g32.norm()) < 2e-2  # (measured: 0.5%)
