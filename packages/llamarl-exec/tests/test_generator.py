@@ -175,3 +175,8 @@ def test_draw_tokens_follows_the_distribution():
         shares = torch.bincount(tokens[:, row], minlength=4).float() / 10_000
         torch.testing.assert_close(shares, probs[row], rtol=0, atol=0.015)
         assert shares[probs[row] == 0].item() == 0
+
+
+def test_draw_tokens_refuses_nan_logits():
+    with pytest.raises(ValueError, match="logits hold NaN or infinite values"):
+        draw_tokens(torch.tensor([[0.0, float("nan")], [-0.7, -0.7]]))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,6 +28,9 @@ from llamarl.exec.models import load_model_and_tokenizer, resolve_dtype
 from llamarl.exec.padding import completion_mask, left_pad
 from llamarl.exec.types import GenerationPaused, PauseGeneration, RolloutBatch
 
+if TYPE_CHECKING:
+    from transformers import Cache
+
 
 def draw_tokens(logprobs_BV: torch.Tensor) -> torch.Tensor:
     """One token per row from the distribution exp(logprobs_BV) (float [B, V]): int64 [B].
@@ -37,6 +41,8 @@ def draw_tokens(logprobs_BV: torch.Tensor) -> torch.Tensor:
     from torch's global generator (seeded by `HFGenerator.setup`).
     """
     cdf_BV = logprobs_BV.exp().cumsum(-1)
+    if not torch.isfinite(cdf_BV[:, -1]).all():  # (torch.multinomial refuses these too)
+        raise ValueError("cannot sample: the model's logits hold NaN or infinite values")
     # Scaled by each row's total so that float rounding of the sum never leaves u past its end.
     u_B1 = torch.rand(cdf_BV.shape[0], 1, device=cdf_BV.device, dtype=cdf_BV.dtype) * cdf_BV[:, -1:]
     # The first entry whose cumulative probability exceeds u (one of zero probability never does).
@@ -48,7 +54,8 @@ class _BehaviorLogprobRecorder:
 
     `generate` calls it with the scores of step t before the token of step t is drawn; that token shows
     up as the last column of `input_ids` at step t + 1, so the previous step's log-softmax is kept until
-    then and the last step is resolved by `finish()`. It returns the scores unchanged.
+    then and the last step is resolved by `finish()`. It returns the scores unchanged, or with `draws`
+    it draws the token itself (`draw_tokens`) and returns scores that are -inf but at that token.
     """
 
     def __init__(
@@ -339,15 +346,16 @@ class HFGenerator:
 
     def _shared_prompt_cache(
         self, prompt_ids_BP: torch.Tensor, prompt_mask_BP: torch.Tensor, samples_per_prompt: int
-    ):
+    ) -> Cache | None:
         """The KV cache of every prompt's tokens but its last, computed once per prompt and repeated for
         its samples (rows are a prompt's samples, contiguous): `generate` then forwards only the last
         prompt token of each row before it decodes. None (generate prefills every row itself) for one
         sample per prompt or one-token prompts.
 
-        Without it each prompt is forwarded once per sample: for GSM8K's 4 prompts x 4 samples, about
-        as many prefill tokens as decoded ones. Positions follow the attention mask as `generate`'s own
-        (cumulative sum of the mask minus one, padding at 1), so the cache is the one it would build.
+        Without it each prompt is forwarded once per sample: for GSM8K's 4 prompts x 4 samples x 128
+        new tokens, 1536 prompt positions (padded) beside 2048 decoded tokens, instead of 380.
+        Positions follow the attention mask as `generate`'s own (cumulative sum of the mask minus one,
+        padding at 1), so the cache is the one it would build.
         """
         if samples_per_prompt == 1 or prompt_ids_BP.shape[1] < 2:
             return None
