@@ -154,7 +154,6 @@ class _HeadChunks:
         # where that is not the float32 the softmax runs in.
         self.product = hidden_NH.new_empty(shape) if hidden_NH.dtype != self.compute_dtype else None
         self.scaled = hidden_NH.new_empty(shape, dtype=self.compute_dtype)
-        self.spare = torch.empty_like(self.scaled)
 
     def logits(self, hidden_nH: Tensor, weight_VH: Tensor, temperature: float) -> Tensor:
         """float32 logits / temperature of one chunk, [n, V], in `self.scaled`."""
@@ -192,12 +191,13 @@ class _LinearTokenLogprobs(torch.autograd.Function):
         entropy = torch.empty_like(logprobs)
         logprobs_N, entropy_N = logprobs.view(-1), entropy.view(-1)
         lse_N = hidden_NH.new_empty(num_tokens, dtype=chunks.compute_dtype)
+        spare = torch.empty_like(chunks.scaled)  # exp(z - max), a third buffer backward does not need
         for first in range(0, num_tokens, chunk_size):
             rows = slice(first, first + chunk_size)
             scaled_nV = chunks.logits(hidden_NH[rows], weight_VH, temperature)
-            # log-sum-exp, shifted by the row maximum, with exp(z - max) in the spare buffer.
+            # log-sum-exp, shifted by the row maximum.
             max_n = scaled_nV.amax(-1)
-            exp_nV = torch.sub(scaled_nV, max_n[:, None], out=chunks.spare[: len(max_n)]).exp_()
+            exp_nV = torch.sub(scaled_nV, max_n[:, None], out=spare[: len(max_n)]).exp_()
             sum_n = exp_nV.sum(-1)
             lse_n = sum_n.log() + max_n
             logp_nV = scaled_nV.sub_(lse_n[:, None])  # the log-softmax, in place of the logits
