@@ -39,7 +39,7 @@ TEMPERATURE = 0.7
 SYNC_TIMEOUT_S = 120.0  # every wait of the weight-sync group
 ENGINE_TIMEOUT_S = 240.0  # engine start and requests (a loaded 2-core machine)
 SAMPLES_PER_PROMPT = 4
-MAX_NEW_TOKENS = 160  # long answers: the completions run on well after the sync
+MAX_NEW_TOKENS = 64  # long answers: the completions run on well after the sync
 ANNOUNCE_AFTER_TOKENS = 8  # the sync lands once every running completion has sampled this many tokens
 FAILED_SYNC_WAIT_S = 3.0  # a sync the trainer never sends times out after this long
 
