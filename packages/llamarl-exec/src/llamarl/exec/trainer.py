@@ -125,7 +125,7 @@ class PolicyTrainer:
         if cfg.lora.rank:
             add_lora(model, cfg.lora)
         if cfg.activation_checkpointing and not self.is_sharded:  # (under FSDP2: see shard_model)
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            _enable_activation_checkpointing(model)
         model.config.use_cache = False  # no KV cache in training forward passes
         self._use_varlen_attention(model)
         model.train()
@@ -378,3 +378,13 @@ class PolicyTrainer:
         if self._compute_copy is not None:
             self._compute_copy.refresh()
         return self.compute_model
+
+
+def _enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Non-reentrant activation checkpointing of every decoder layer, by transformers' own method: named
+    `activation_checkpointing_enable` since transformers 5 (the old name warns there and goes in 6)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
