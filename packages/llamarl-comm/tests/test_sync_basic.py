@@ -306,6 +306,73 @@ def test_dead_receiver_is_a_clear_error(transport: str, mode: str) -> None:
         assert exitcode == 0
 
 
+HEARTBEAT = {"heartbeat_s": 0.2, "dead_after_s": 1.0}  # beats 5 times a second, gone after 1 s still
+
+
+def _receiver_then_die_beating(host: str, port: int, named: dict, transport: str) -> None:
+    group = WeightSyncGroup(
+        host=host, port=port, rank=1, world_size=2, timeout_s=30.0, **HEARTBEAT, **transport_kwargs(transport)
+    )
+    WeightReceiver(group, {k: torch.zeros_like(v) for k, v in named.items()})
+    time.sleep(0.5)  # a few beats: up, then dead
+    os._exit(0)
+
+
+def _heartbeat_worker(rank: int, world_size: int, rdv, transport: str, mode: str, timeout_s: float):
+    named = {"w": torch.ones(64, 64), "b": torch.ones(64)}
+    receiver_gone = os.path.join(rdv.tmpdir, "receiver_gone")
+    sender_done = os.path.join(rdv.tmpdir, "sender_done")
+    if rank == 0:
+        group = WeightSyncGroup(
+            host=rdv.host, port=rdv.port, rank=0, world_size=2, timeout_s=timeout_s, **HEARTBEAT,
+            **transport_kwargs(transport),
+        )  # fmt: skip
+        sender = WeightSender(group, named, bucket_bytes=4096)
+        if mode == "killed":
+            wait_until(lambda: os.path.exists(receiver_gone), timeout_s=30, what="the receiver's exit")
+        start = time.monotonic()
+        try:
+            sender.send(1)
+            result = None
+        except WeightSyncError as exc:
+            result = {"peer": exc.peer, "message": str(exc), "seconds": time.monotonic() - start}
+        open(sender_done, "w").close()
+        group.close()
+        return result
+    if mode == "killed":
+        child = mp.get_context("fork").Process(
+            target=_receiver_then_die_beating, args=(rdv.host, rdv.port, named, transport)
+        )
+        child.start()
+        child.join(timeout=30)
+        open(receiver_gone, "w").close()
+        return child.exitcode
+    group = WeightSyncGroup(
+        host=rdv.host, port=rdv.port, rank=1, world_size=2, timeout_s=30.0, **HEARTBEAT,
+        **transport_kwargs(transport),
+    )  # fmt: skip
+    WeightReceiver(group, {k: torch.zeros_like(v) for k, v in named.items()})
+    # Alive and beating but never receives, for longer than dead_after_s: slow, not dead.
+    wait_until(lambda: os.path.exists(sender_done), timeout_s=30, what="the sender's error")
+    group.close()
+    return None
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_dead_receiver_is_told_from_a_slow_one_by_its_heartbeat(transport: str) -> None:
+    """A receiver that died between syncs: the send fails once its heartbeat has stood still for
+    dead_after_s (1 s), not at the 30 s deadline. One alive but silent for 3 s (over dead_after_s) is
+    waited for until the deadline: slow is not dead."""
+    result, exitcode = run_distributed(_heartbeat_worker, 2, transport, "killed", 30.0, timeout_s=60)
+    assert exitcode == 0
+    assert result["peer"] == 1 and "peer rank 1 is gone: its heartbeat stopped" in result["message"], result
+    assert result["seconds"] < 1.0 + 3.0, result  # dead_after_s and a margin, far below the 30 s deadline
+
+    result, _ = run_distributed(_heartbeat_worker, 2, transport, "stalled", 3.0, timeout_s=60)
+    assert result["peer"] == 1 and "waited 3.0s for peer rank 1" in result["message"], result
+    assert 3.0 <= result["seconds"] < 3.0 + 2.0, result
+
+
 def _receiver_sees_dead_sender(rank: int, world_size: int, rdv, transport: str):
     """The trainer dies after announcing a sync: the engine gets an error naming it, within the deadline."""
     named = {"w": torch.ones(256, 256)}

@@ -8,7 +8,10 @@ store prefix. A receiver that restarts asks for a new generation; every member m
 of the next sync (see ``sender.py`` / ``receiver.py``).
 
 Every wait takes a deadline and raises ``WeightSyncError`` naming the peer (and the bucket), so a dead
-or stuck peer is an error, never a hang.
+or stuck peer is an error, never a hang. A dead peer is told from a slow one well before that deadline
+while it is awaited through the store (a receiver that died between syncs never says it is ready): every
+member beats a counter in the store from a thread of its own, and such a wait ends once the peer's
+counter has stood still for ``dead_after_s`` (the thread beats while its process computes).
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from __future__ import annotations
 import datetime
 import json
 import socket
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -50,6 +55,10 @@ class WeightSyncError(RuntimeError):
         self.bucket = bucket
 
 
+_CLOSING_KEY = "heartbeat/closing"  # set by rank 0 when it closes: the store goes with it
+_STOPPED_KEY = "heartbeat/stopped"  # /<rank>: that member's heartbeat stopped
+
+
 def _td(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
@@ -67,6 +76,12 @@ class WeightSyncGroup:
 
     ``process_group_factory`` replaces the backend's process group (tests run the protocol over
     ``llamarl.comm.testing.nccl_rules_process_group``: gloo under NCCL's ordering rules).
+
+    Every member beats a counter in the store every ``heartbeat_s`` seconds (a daemon thread with its own
+    store connection). A wait for a peer's control message (`get` with ``peer``) fails once that peer
+    has beaten and then stood still for ``dead_after_s``; a peer never seen beating is waited for up to
+    the deadline, as is a live one. Transfers keep their single deadline: a timed-out wait on a send or
+    receive may break the pair, so it cannot be sliced to look at heartbeats in between.
     """
 
     def __init__(
@@ -81,6 +96,8 @@ class WeightSyncGroup:
         device: torch.device | str | None = None,
         prefix: str = "llamarl-wsync",
         process_group_factory: ProcessGroupFactory | None = None,
+        heartbeat_s: float = 1.0,
+        dead_after_s: float = 10.0,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside a group of world_size {world_size}")
@@ -109,6 +126,9 @@ class WeightSyncGroup:
         self.store = dist.PrefixStore(f"{prefix}/", self._tcp_store)
         self.generation: int | None = None
         self._pg: Any = None
+        self.heartbeat_s = heartbeat_s
+        self.dead_after_s = dead_after_s
+        self._heartbeat = _Heartbeat(host, port, prefix, rank, heartbeat_s, timeout_s)
 
     # ----------------------------------------------------------------------------------------------
     # Group generations
@@ -213,14 +233,46 @@ class WeightSyncGroup:
         """Wait (at most ``timeout_s``, default the group's) for ``key`` and return its JSON value."""
         timeout = self.timeout_s if timeout_s is None else timeout_s
         try:
-            self.store.wait([key], _td(timeout))
+            if peer is None or peer == self.rank:
+                self.store.wait([key], _td(timeout))
+            else:
+                self._wait_while_beating(key, peer, timeout)
             raw = self.store.get(key)
+        except WeightSyncError:
+            raise
         except Exception as exc:
             who = f"peer rank {peer}" if peer is not None else "a peer"
             raise WeightSyncError(
                 f"rank {self.rank}: waited {timeout}s for {who} to publish {key!r}: {exc}", peer=peer
             ) from exc
         return json.loads(raw.decode())
+
+    def _wait_while_beating(self, key: str, peer: int, timeout_s: float) -> None:
+        """Waits for ``key``, raising as soon as ``peer``'s heartbeat has stood still for ``dead_after_s``.
+
+        Polls (`check`, at most 10 ms apart: a sync's handshake must not wait long) instead of a store
+        wait with a short timeout, which torch logs as a warning each time it expires."""
+        deadline = time.monotonic() + timeout_s
+        beats, still_since, next_look = 0, time.monotonic(), time.monotonic() + self.heartbeat_s
+        pause = 0.001
+        while not self.store.check([key]):
+            now = time.monotonic()
+            if now >= deadline:
+                raise TimeoutError(f"{key!r} was not set within {timeout_s}s")
+            if now >= next_look:
+                next_look = now + self.heartbeat_s
+                seen = self.store.add(f"heartbeat/{peer}", 0)  # adding 0 reads the counter, no wait
+                if seen != beats:
+                    beats, still_since = seen, now
+                elif beats and now - still_since >= self.dead_after_s:
+                    raise WeightSyncError(
+                        f"rank {self.rank}: peer rank {peer} is gone: its heartbeat stopped "
+                        f"{now - still_since:.0f}s ago (dead_after_s={self.dead_after_s}) while rank "
+                        f"{self.rank} waited for it to publish {key!r}",
+                        peer=peer,
+                    )
+            time.sleep(min(pause, max(deadline - now, 0.0)))
+            pause = min(2 * pause, 0.01)
 
     def delete(self, key: str) -> None:
         """Remove ``key`` (no error when it is absent)."""
@@ -232,13 +284,65 @@ class WeightSyncGroup:
 
     def close(self) -> None:
         """Drop the process group and the store connection (rank 0 stops hosting the store)."""
+        if self.store is None:
+            return
+        self._heartbeat.stop()
+        if self.rank == 0:
+            self._let_heartbeats_stop()
         self._pg = None
         self.generation = None
         self.store = None  # type: ignore[assignment]
         self._tcp_store = None
+
+    def _let_heartbeats_stop(self) -> None:
+        """Before the store goes away with rank 0: tells every member's heartbeat to stop and waits a
+        moment for them to, so that no live member's thread meets a closed store (torch logs each such
+        failure as a warning, in every run's last lines)."""
+        try:
+            self.store.set(_CLOSING_KEY, "1")
+            others = [f"{_STOPPED_KEY}/{r}" for r in range(1, self.world_size)]
+            give_up = time.monotonic() + 2 * self.heartbeat_s
+            while others and not self.store.check(others) and time.monotonic() < give_up:
+                time.sleep(0.01)
+        except Exception:
+            pass  # a member that is dead (or already gone) never answers: close anyway
 
     def __repr__(self) -> str:
         return (
             f"WeightSyncGroup(rank={self.rank}, world_size={self.world_size}, backend={self.backend!r}, "
             f"generation={self.generation})"
         )
+
+
+class _Heartbeat:
+    """A daemon thread adding 1 to the store's ``heartbeat/<rank>`` counter every ``interval_s``,
+    through a store connection of its own (a TCPStore client is not shared between threads), until
+    `stop()`, rank 0 closing the group, or the store going away."""
+
+    def __init__(
+        self, host: str, port: int, prefix: str, rank: int, interval_s: float, timeout_s: float
+    ) -> None:
+        client = dist.TCPStore(host, port, None, False, _td(timeout_s), wait_for_workers=False)
+        self._store = dist.PrefixStore(f"{prefix}/", client)
+        self._rank = rank
+        self._interval_s = interval_s
+        self._stopped = threading.Event()
+        self._store.delete_key(f"{_STOPPED_KEY}/{rank}")  # (left by an earlier process of this rank)
+        self._store.add(f"heartbeat/{rank}", 1)  # beating from the start: up, not just slow
+        self._thread = threading.Thread(target=self._run, name=f"weight-sync heartbeat {rank}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self._stopped.wait(self._interval_s):
+                if self._store.check([_CLOSING_KEY]):
+                    break
+                self._store.add(f"heartbeat/{self._rank}", 1)
+            if self._rank != 0:  # (rank 0 hosts the store and closes it right after)
+                self._store.set(f"{_STOPPED_KEY}/{self._rank}", "1")
+        except Exception:
+            return  # the store's host (rank 0) is gone: waits on it fail on their own
+
+    def stop(self) -> None:
+        """Stops beating (the thread says so in the store as it ends)."""
+        self._stopped.set()

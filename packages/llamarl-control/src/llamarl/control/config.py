@@ -149,7 +149,8 @@ class WeightSyncConfig(ConfigSection):
     """bucket size of a transfer, MiB"""
     timeout_s: float = Field(600.0, gt=0)
     """deadline (s) of each step of a sync (forming the group, every bucket), capped by launch.timeout_s;
-    lower it where engines may die (stream mode with vLLM) so a sync caught in a death fails fast"""
+    a receiver that died between syncs fails a sync sooner, once its heartbeat has stood still for 10 s;
+    lower this where engines may die mid-transfer (stream mode with vLLM) so such a sync fails fast"""
 
 
 class EvalConfig(ConfigSection):
