@@ -278,6 +278,7 @@ def _worker(
         for kind, fn in (("sync", sync), ("limit", limit), ("naive", naive)):
             timed(kind, fn)
     barrier(group, "end")
+    group.close()  # (rank 0's store goes last: no heartbeat meets it closed)
     full_bytes = sum(math.prod(s) for s in shapes.values()) * DTYPE.itemsize
     return {
         "times": times,
