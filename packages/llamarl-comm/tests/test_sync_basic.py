@@ -254,20 +254,30 @@ def test_a_payload_byte_flipped_in_transit_is_refused_naming_its_bucket(
     assert got["held"] is None
 
 
-def _receiver_then_die(host: str, port: int, named: dict, transport: str) -> None:
+def _receiver_then_die(host: str, port: int, named: dict, transport: str, group_kwargs: dict) -> None:
     group = WeightSyncGroup(
-        host=host, port=port, rank=1, world_size=2, timeout_s=4.0, **transport_kwargs(transport)
+        host=host, port=port, rank=1, world_size=2, **group_kwargs, **transport_kwargs(transport)
     )
     WeightReceiver(group, {k: torch.zeros_like(v) for k, v in named.items()})
     os._exit(0)  # dies without a word, holding its connections
 
 
-def _dead_receiver_worker(rank: int, world_size: int, rdv, transport: str, mode: str):
+def _dead_receiver_worker(
+    rank: int, world_size: int, rdv, transport: str, mode: str, sender_timeout_s: float = 4.0,
+    heartbeat: dict | None = None,
+):  # fmt: skip
+    """The sender sends once; the receiver died before (killed) or is alive but never receives
+    (stalled). Returns the sender's error (rank 0) and the dead receiver's exit code (rank 1)."""
     named = {"w": torch.ones(64, 64), "b": torch.ones(64)}
     receiver_gone = os.path.join(rdv.tmpdir, "receiver_gone")
     sender_done = os.path.join(rdv.tmpdir, "sender_done")
+    heartbeat = heartbeat or {}
+    receiver_kwargs = {"timeout_s": max(sender_timeout_s, 4.0), **heartbeat}
     if rank == 0:
-        group = _group(rank, world_size, rdv, transport, timeout_s=4.0)
+        group = WeightSyncGroup(
+            host=rdv.host, port=rdv.port, rank=0, world_size=world_size, timeout_s=sender_timeout_s,
+            **heartbeat, **transport_kwargs(transport),
+        )  # fmt: skip
         sender = WeightSender(group, named, bucket_bytes=4096)
         if mode == "killed":  # send once the receiver is dead (its parent saw it exit)
             wait_until(lambda: os.path.exists(receiver_gone), timeout_s=30, what="the receiver's exit")
@@ -278,21 +288,26 @@ def _dead_receiver_worker(rank: int, world_size: int, rdv, transport: str, mode:
         except WeightSyncError as exc:
             result = {"peer": exc.peer, "message": str(exc), "seconds": time.monotonic() - start}
         open(sender_done, "w").close()
+        group.close()
         assert result is not None, "send to a dead receiver succeeded"
         return result
     if mode == "killed":
         # A real process that dies: forked from this rank, so no second torch import.
         child = mp.get_context("fork").Process(
-            target=_receiver_then_die, args=(rdv.host, rdv.port, named, transport)
+            target=_receiver_then_die, args=(rdv.host, rdv.port, named, transport, receiver_kwargs)
         )
         child.start()
         child.join(timeout=30)
         open(receiver_gone, "w").close()
         return child.exitcode
-    group = _group(rank, world_size, rdv, transport, timeout_s=4.0)
+    group = WeightSyncGroup(
+        host=rdv.host, port=rdv.port, rank=1, world_size=world_size, **receiver_kwargs,
+        **transport_kwargs(transport),
+    )  # fmt: skip
     WeightReceiver(group, {k: torch.zeros_like(v) for k, v in named.items()})
     # Alive but never receives, until the sender gave up: it must not wait past its deadline.
     wait_until(lambda: os.path.exists(sender_done), timeout_s=30, what="the sender's error")
+    group.close()
     return None
 
 
@@ -309,66 +324,19 @@ def test_dead_receiver_is_a_clear_error(transport: str, mode: str) -> None:
 HEARTBEAT = {"heartbeat_s": 0.2, "dead_after_s": 1.0}  # beats 5 times a second, gone after 1 s still
 
 
-def _receiver_then_die_beating(host: str, port: int, named: dict, transport: str) -> None:
-    group = WeightSyncGroup(
-        host=host, port=port, rank=1, world_size=2, timeout_s=30.0, **HEARTBEAT, **transport_kwargs(transport)
-    )
-    WeightReceiver(group, {k: torch.zeros_like(v) for k, v in named.items()})
-    time.sleep(0.5)  # a few beats: up, then dead
-    os._exit(0)
-
-
-def _heartbeat_worker(rank: int, world_size: int, rdv, transport: str, mode: str, timeout_s: float):
-    named = {"w": torch.ones(64, 64), "b": torch.ones(64)}
-    receiver_gone = os.path.join(rdv.tmpdir, "receiver_gone")
-    sender_done = os.path.join(rdv.tmpdir, "sender_done")
-    if rank == 0:
-        group = WeightSyncGroup(
-            host=rdv.host, port=rdv.port, rank=0, world_size=2, timeout_s=timeout_s, **HEARTBEAT,
-            **transport_kwargs(transport),
-        )  # fmt: skip
-        sender = WeightSender(group, named, bucket_bytes=4096)
-        if mode == "killed":
-            wait_until(lambda: os.path.exists(receiver_gone), timeout_s=30, what="the receiver's exit")
-        start = time.monotonic()
-        try:
-            sender.send(1)
-            result = None
-        except WeightSyncError as exc:
-            result = {"peer": exc.peer, "message": str(exc), "seconds": time.monotonic() - start}
-        open(sender_done, "w").close()
-        group.close()
-        return result
-    if mode == "killed":
-        child = mp.get_context("fork").Process(
-            target=_receiver_then_die_beating, args=(rdv.host, rdv.port, named, transport)
-        )
-        child.start()
-        child.join(timeout=30)
-        open(receiver_gone, "w").close()
-        return child.exitcode
-    group = WeightSyncGroup(
-        host=rdv.host, port=rdv.port, rank=1, world_size=2, timeout_s=30.0, **HEARTBEAT,
-        **transport_kwargs(transport),
-    )  # fmt: skip
-    WeightReceiver(group, {k: torch.zeros_like(v) for k, v in named.items()})
-    # Alive and beating but never receives, for longer than dead_after_s: slow, not dead.
-    wait_until(lambda: os.path.exists(sender_done), timeout_s=30, what="the sender's error")
-    group.close()
-    return None
-
-
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_dead_receiver_is_told_from_a_slow_one_by_its_heartbeat(transport: str) -> None:
     """A receiver that died between syncs: the send fails once its heartbeat has stood still for
     dead_after_s (1 s), not at the 30 s deadline. One alive but silent for 3 s (over dead_after_s) is
     waited for until the deadline: slow is not dead."""
-    result, exitcode = run_distributed(_heartbeat_worker, 2, transport, "killed", 30.0, timeout_s=60)
+    result, exitcode = run_distributed(
+        _dead_receiver_worker, 2, transport, "killed", 30.0, HEARTBEAT, timeout_s=60
+    )
     assert exitcode == 0
     assert result["peer"] == 1 and "peer rank 1 is gone: its heartbeat stopped" in result["message"], result
     assert result["seconds"] < 1.0 + 3.0, result  # dead_after_s and a margin, far below the 30 s deadline
 
-    result, _ = run_distributed(_heartbeat_worker, 2, transport, "stalled", 3.0, timeout_s=60)
+    result, _ = run_distributed(_dead_receiver_worker, 2, transport, "stalled", 3.0, HEARTBEAT, timeout_s=60)
     assert result["peer"] == 1 and "waited 3.0s for peer rank 1" in result["message"], result
     assert 3.0 <= result["seconds"] < 3.0 + 2.0, result
 
