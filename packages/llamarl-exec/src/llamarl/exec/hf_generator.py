@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from llamarl.comm import WeightReceiver, WeightSyncGroup
-from llamarl.exec import decode_attention
 from llamarl.exec.config import LoraConfig, SamplingConfig
 from llamarl.exec.episodes import BatchTurnSession
 from llamarl.exec.lora import adapter_tensors, add_lora
@@ -146,10 +145,6 @@ class HFGenerator:
         self.model, _ = load_model_and_tokenizer(
             self.model_name, dtype=self.dtype, device=self.device, with_tokenizer=False
         )
-        if self.model.config._attn_implementation == "sdpa":
-            # SDPA still, but decoding steps on the CPU in bf16 by matrix products (13% faster there).
-            decode_attention.register()
-            self.model.set_attn_implementation(decode_attention.DECODE_ATTENTION)
         if self.lora is not None:
             # Unmerged adapters (lora_B starts at 0): the same modules as the trainer's, so a sync of the
             # adapters alone makes this model compute what the trainer's does.
