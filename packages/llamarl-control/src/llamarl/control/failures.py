@@ -23,6 +23,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -74,6 +75,25 @@ def raise_on_interrupt() -> None:
             signal.signal(sig, signal.SIG_IGN)
         raise Interrupted(signum)
 
+    previous_hook = sys.unraisablehook
+
+    def deliver_again(unraisable: Any) -> None:
+        # A signal that comes while Python runs a finalizer (a `__del__`, a weakref callback of the
+        # garbage collector) raises there, where Python prints the exception and swallows it: the rank
+        # would run on with both signals ignored until torch elastic kills it. So the signal is sent
+        # again to the main thread shortly, once the finalizer is over, to land in the rank's own code.
+        error = unraisable.exc_value
+        if not isinstance(error, Interrupted):
+            previous_hook(unraisable)
+            return
+        signal.signal(error.signum, handler)  # finalizers that raise Interrupted run in the main thread
+        main = threading.main_thread().ident
+        assert main is not None
+        resend = threading.Timer(0.05, signal.pthread_kill, args=(main, error.signum))
+        resend.daemon = True
+        resend.start()
+
+    sys.unraisablehook = deliver_again
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, handler)
 
