@@ -175,7 +175,7 @@ def test_a_rank_killed_by_the_out_of_memory_killer_is_reported_as_such(tiny_mode
                 time.sleep(0.2)
     assert result.returncode == 1, result.stderr[-3000:]
     lines = [line for line in result.stderr.splitlines() if line.strip() and "rl steps" not in line]
-    assert len(lines) == 1, lines
+    assert len(lines) == 1, "\n".join(lines)
     assert lines[0].startswith(
         "gsm8k_rl: rank 0 (trainer) died (SIGKILL): the kernel's out-of-memory killer killed it ("
     ), lines

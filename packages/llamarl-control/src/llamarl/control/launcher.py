@@ -154,7 +154,12 @@ def launch(
     start = time.perf_counter()
     started_at = time.time()
     try:
-        with _rank_fork_server(), _fresh_store_per_formation(), MemoryWatch() as memory:
+        with (
+            _ranks_log_cpp_errors_only(),
+            _rank_fork_server(),
+            _fresh_store_per_formation(),
+            MemoryWatch() as memory,
+        ):
             results = elastic_launch(launch_config, _rank_main)(
                 config, task, train_rows, eval_rows, str(errors_dir)
             )
@@ -256,9 +261,27 @@ def _fresh_store_per_formation() -> Iterator[None]:
     and a machine that comes back after a loss counts its attempts from 0 while the others count from
     1, so no per-attempt key prefix is agreed on either. A fresh store per formation needs neither.
     """
-    name = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+    with _environ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"):
+        yield
+
+
+@contextlib.contextmanager
+def _ranks_log_cpp_errors_only() -> Iterator[None]:
+    """When a rank hosting a store dies (killed, out of memory), every other rank's next call on that
+    store logs a C++ warning with a C++ stack trace before it raises: a dozen lines of noise after the
+    one that says which rank died and why. So the ranks' C++ logs show errors only, unless the user
+    set TORCH_CPP_LOG_LEVEL. Torch reads it once, when imported: it is set before the ranks start."""
+    with _environ("TORCH_CPP_LOG_LEVEL", "ERROR", unless_set=True):
+        yield
+
+
+@contextlib.contextmanager
+def _environ(name: str, value: str, *, unless_set: bool = False) -> Iterator[None]:
+    """Sets environment variable `name` for the processes started meanwhile (the ranks), then puts
+    back what was there; with `unless_set`, a value the user set stays."""
     before = os.environ.get(name)
-    os.environ[name] = "1"
+    if not (unless_set and before is not None):
+        os.environ[name] = value
     try:
         yield
     finally:
