@@ -9,8 +9,8 @@ itself, `connect_weight_sync`, as a generator rank does). The story:
 2. kill -9 the engine (during a long generate, or idle if that call already returned): the generator's
    next call raises `EngineLost` within seconds, with the engine's log;
 3. the trainer's send of version 2 during the outage raises `WeightSyncError` naming rank 1 once the
-   dead engine's heartbeat has stood still for the group's dead_after_s (10 s), long before the sync's
-   60 s deadline;
+   dead engine's heartbeat has stood still for the trainer's dead_after_s (5 s here), long before the
+   sync's 60 s deadline;
 4. `restart_engine()`: the new engine is alive, reports the initial version, the generator's
    `policy_version` is None and `generate` refuses (`WeightsNotSyncedError`);
 5. the trainer sends version 3; the same receiver object's `receive()` gets it into the new engine,
@@ -34,9 +34,9 @@ pytestmark = pytest.mark.vllm  # the real engine (conftest.py builds its environ
 
 TEMPERATURE = 0.7
 SYNC_TIMEOUT_S = 60.0  # every wait of the weight-sync group
-# The send during the outage fails this long after the dead engine's last heartbeat (the group's
-# dead_after_s default), naming it; without the heartbeat it would wait out SYNC_TIMEOUT_S.
-DEAD_AFTER_S = 10.0
+# The send during the outage fails this long after the dead engine's last heartbeat (the trainer's
+# dead_after_s; 10 s by default), naming it; without the heartbeat it would wait out SYNC_TIMEOUT_S.
+DEAD_AFTER_S = 5.0
 ENGINE_TIMEOUT_S = 240.0  # engine start and requests (a loaded 2-core machine)
 KILL_AFTER_S = 1.5  # into the long generate call
 LOST_WITHIN_S = 15.0  # the generator reports the dead engine within this long after the kill
@@ -51,7 +51,9 @@ def _trainer(rdv, model_dir: str) -> dict:
     initial = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     out: dict = {}
     wait_for(rdv, "engine_up")  # the engine's join and the sender's construction meet in the store
-    group = WeightSyncGroup(host=rdv.host, port=rdv.port, rank=0, world_size=2, timeout_s=SYNC_TIMEOUT_S)
+    group = WeightSyncGroup(
+        host=rdv.host, port=rdv.port, rank=0, world_size=2, timeout_s=SYNC_TIMEOUT_S, dead_after_s=DEAD_AFTER_S
+    )
     sender = WeightSender(group, trainer.model)
     perturb(trainer.model, seed=1)
     sender.send(1)
@@ -207,7 +209,7 @@ def test_a_killed_engine_is_restarted_and_gets_the_latest_weights():
     error = trainer["outage_error"]
     assert error is not None and error["peer"] == 1, error
     assert "peer rank 1 is gone: its heartbeat stopped" in error["message"], error
-    assert error["seconds"] < DEAD_AFTER_S + 5 < SYNC_TIMEOUT_S, error
+    assert DEAD_AFTER_S <= error["seconds"] < DEAD_AFTER_S + 5 < SYNC_TIMEOUT_S, error
 
     assert generator["new_pid_differs"] and generator["alive_after_restart"]
     assert generator["version_after_restart"] is None  # alive, but no synced weights yet
