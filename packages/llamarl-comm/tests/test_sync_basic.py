@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
+import signal
 import time
 
 import pytest
@@ -339,6 +340,92 @@ def test_a_dead_receiver_is_told_from_a_slow_one_by_its_heartbeat(transport: str
     result, _ = run_distributed(_dead_receiver_worker, 2, transport, "stalled", 3.0, HEARTBEAT, timeout_s=60)
     assert result["peer"] == 1 and "waited 3.0s for peer rank 1" in result["message"], result
     assert 3.0 <= result["seconds"] < 3.0 + 2.0, result
+
+
+FAULT_TIMEOUT_S = 30.0  # the deadline of every wait in the mid-sync fault tests: never reached
+
+
+def _fault_at_first_receive(host: str, port: int, named: dict, fault: str) -> None:
+    """Rank 1 (of a chain 0 -> 1 -> 2) takes part in a sync until its first receive, where it freezes
+    (SIGSTOP: its connections open, its heartbeat still, as a hung or unreachable process) or raises
+    (it stays alive and beating, and its sync fails)."""
+    group = WeightSyncGroup(
+        host=host, port=port, rank=1, world_size=3, timeout_s=FAULT_TIMEOUT_S, **HEARTBEAT,
+        **transport_kwargs("nccl-rules"),
+    )  # fmt: skip
+    receive = group.recv
+
+    def fault_then_receive(*args, **kwargs):
+        if fault == "freeze":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        else:
+            raise RuntimeError("a fault injected at rank 1's first receive")
+        return receive(*args, **kwargs)
+
+    group.recv = fault_then_receive  # type: ignore[method-assign]
+    with contextlib.suppress(RuntimeError):  # the injected fault
+        WeightReceiver(group, {k: torch.zeros_like(v) for k, v in named.items()}).receive()
+    time.sleep(60)  # alive (and beating) until killed
+
+
+def _mid_sync_fault_worker(rank: int, world_size: int, rdv, fault: str):
+    """Rank 0 sends along the chain 0 -> 1 -> 2 over the NCCL-rules transport; rank 1 meets `fault` at
+    its first receive. Returns ranks 0 and 2's errors and how long their syncs took (rank 1: the exit
+    code of its process, killed once the others are done)."""
+    named = {f"w{i}": torch.full((64, 64), float(i)) for i in range(8)}
+    over = os.path.join(rdv.tmpdir, "over")
+    if rank == 1:
+        child = mp.get_context("fork").Process(
+            target=_fault_at_first_receive, args=(rdv.host, rdv.port, named, fault)
+        )
+        child.start()
+        wait_until(
+            lambda: os.path.isdir(over) and len(os.listdir(over)) == 2, timeout_s=60, what="the others"
+        )
+        os.kill(child.pid, signal.SIGKILL)
+        child.join(timeout=30)
+        return child.exitcode
+    group = WeightSyncGroup(
+        host=rdv.host, port=rdv.port, rank=rank, world_size=3, timeout_s=FAULT_TIMEOUT_S, **HEARTBEAT,
+        **transport_kwargs("nccl-rules"),
+    )  # fmt: skip
+    start = time.monotonic()
+    try:
+        if rank == 0:
+            WeightSender(group, named, bucket_bytes=4096).send(1)
+        else:
+            WeightReceiver(group, {k: torch.zeros_like(v) for k, v in named.items()}).receive()
+        result = None
+    except WeightSyncError as exc:
+        result = {"peer": exc.peer, "message": str(exc), "seconds": time.monotonic() - start}
+    os.makedirs(over, exist_ok=True)
+    open(os.path.join(over, str(rank)), "w").close()
+    wait_until(lambda: len(os.listdir(over)) == 2, timeout_s=60, what="the other live rank")
+    group.close()
+    return result
+
+
+@pytest.mark.parametrize("fault", ["freeze", "raise"])
+def test_a_fault_mid_sync_ends_the_nccl_sync_of_every_member_in_seconds(fault: str) -> None:
+    """NCCL never fails a transfer whose peer hangs or died, and a failed member leaves its peers'
+    transfers waiting. Rank 1, in the middle of the chain 0 -> 1 -> 2, freezes or raises at its first
+    receive. Frozen: ranks 0 and 2 end their waits on it once its heartbeat has stood still for
+    dead_after_s (1 s). Raised: rank 1 abandons the group's generation, and rank 0, waiting for rank 1
+    to say it is ready, ends at its next look at the store (every 0.2 s). None waits out the 30 s
+    deadline."""
+    sender, exitcode, tail = run_distributed(_mid_sync_fault_worker, 3, fault, timeout_s=90)
+    assert exitcode == -signal.SIGKILL  # still frozen, or alive, when the others were done
+    for rank, result in ((0, sender), (2, tail)):
+        assert result is not None, f"rank {rank} finished a sync that rank 1 never took part in"
+        assert result["peer"] == 1, result
+        if fault == "freeze":
+            assert "peer rank 1 is gone: its heartbeat stopped" in result["message"], result
+            assert result["seconds"] < 1.0 + 4.0 < FAULT_TIMEOUT_S, result
+        else:
+            # (Rank 2 may hear of it first from its gloo pair to rank 1, which rank 1 closed.)
+            if rank == 0:
+                assert "abandoned by rank 1: RuntimeError: a fault injected" in result["message"], result
+            assert result["seconds"] < 4.0 < FAULT_TIMEOUT_S, result
 
 
 def _receiver_sees_dead_sender(rank: int, world_size: int, rdv, transport: str):

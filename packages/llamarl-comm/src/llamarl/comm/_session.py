@@ -164,9 +164,10 @@ class _Endpoint:
                 dst_tensors=dst_tensors,
             )
             num_bytes, num_buckets = transfer.run()
-        except BaseException:
-            # The group may hold half-delivered messages or dead peers: never reuse it.
-            self.group.invalidate()
+        except BaseException as exc:
+            # The group may hold half-delivered messages or dead peers: never reuse it, and tell the
+            # other members, whose sends and receives of this sync would otherwise wait for ours.
+            self.group.abandon(f"{type(exc).__name__}: {exc}"[:500])
             self._sync_index = n
             raise
         self._sync_index = n

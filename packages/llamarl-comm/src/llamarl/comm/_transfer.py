@@ -283,7 +283,7 @@ class SyncTransfer:
                 bucket=bucket.index,
             )
         if peer not in self.peers_ready:
-            self.group.get(self._ready_key(peer), peer=peer)
+            self.group.get(self._ready_key(peer), peer=peer, in_sync=True)
             self.peers_ready.add(peer)
         pending = _Pending(self.group.send(payload, peer, msg.tag, bucket=bucket.index), peer, bucket.index)
         self.posted[peer] += 1

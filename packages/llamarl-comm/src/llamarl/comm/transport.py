@@ -8,14 +8,17 @@ store prefix. A receiver that restarts asks for a new generation; every member m
 of the next sync (see ``sender.py`` / ``receiver.py``).
 
 Every wait takes a deadline and raises ``WeightSyncError`` naming the peer (and the bucket), so a dead
-or stuck peer is an error, never a hang. A dead peer is told from a slow one well before that deadline
-while it is awaited through the store (a receiver that died between syncs never says it is ready): every
-member beats a counter in the store from a thread of its own, and such a wait ends once the peer's
-counter has stood still for ``dead_after_s`` (the thread beats while its process computes).
+or stuck peer is an error, never a hang. A dead peer is told from a slow one well before that deadline:
+every member beats a counter in the store from a thread of its own (it beats while its process
+computes), and a wait for a peer, through the store or (on NCCL) for a send or receive, ends once that
+peer's counter has stood still for ``dead_after_s``. A member whose sync fails marks the group's
+generation abandoned in the store, so the other members' NCCL sends and receives of that sync end too,
+at once, instead of at their deadline (NCCL, unlike gloo, never fails a transfer whose peer died).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import socket
@@ -80,8 +83,10 @@ class WeightSyncGroup:
     Every member beats a counter in the store every ``heartbeat_s`` seconds (a daemon thread with its own
     store connection). A wait for a peer's control message (`get` with ``peer``) fails once that peer
     has beaten and then stood still for ``dead_after_s``; a peer never seen beating is waited for up to
-    the deadline, as is a live one. Transfers keep their single deadline: a timed-out wait on a send or
-    receive may break the pair, so it cannot be sliced to look at heartbeats in between.
+    the deadline, as is a live one. On NCCL (and the stand-in), a send or receive (`wait`) ends the same
+    way, or once a member has `abandon`-ed the generation: it is polled (``is_completed``), never waited
+    on with a short timeout, which may break the pair. gloo's are waited on with the deadline: they say
+    they are complete only once waited on, and fail at once when the peer's process dies.
     """
 
     def __init__(
@@ -126,6 +131,7 @@ class WeightSyncGroup:
         self.store = dist.PrefixStore(f"{prefix}/", self._tcp_store)
         self.generation: int | None = None
         self._pg: Any = None
+        self._polls_transfers = False
         self.heartbeat_s = heartbeat_s
         self.dead_after_s = dead_after_s
         self._heartbeat = _Heartbeat(host, port, prefix, rank, heartbeat_s, timeout_s)
@@ -163,6 +169,9 @@ class WeightSyncGroup:
                 peer=missing[0] if missing else None,
             ) from exc
         self._pg = pg
+        # gloo's sends and receives say they are complete only once waited on: they are waited on with
+        # the deadline (gloo fails them at once when the peer's process dies and its socket closes).
+        self._polls_transfers = not isinstance(pg, dist.ProcessGroupGloo)
         self.generation = generation
         self.store.set(f"gen/{generation}/done", "1")
 
@@ -173,8 +182,23 @@ class WeightSyncGroup:
 
     def invalidate(self) -> None:
         """Forget the current generation after a failure; the next sync re-forms the group."""
-        self._pg = None
-        self.generation = None
+        pg, self._pg, self.generation = self._pg, None, None
+        abort = getattr(pg, "abort", None)
+        if abort is not None:
+            # NCCL: ends the failed sync's sends and receives still queued on the GPU, which would
+            # otherwise wait there for a dead peer until the watchdog's deadline (gloo's is a no-op).
+            with contextlib.suppress(Exception):
+                abort()
+
+    def abandon(self, reason: str) -> None:
+        """Marks the current generation failed (``reason``) for every member, whose sends and receives
+        in it then end at once with that reason, and forgets it (`invalidate`)."""
+        if self.generation is not None and self.store is not None:
+            reason = json.dumps(f"rank {self.rank}: {reason}")
+            with contextlib.suppress(Exception):  # the store's host may be what failed
+                # The first reason stays: the members that fail after it fail because of it.
+                self.store.compare_set(f"gen/{self.generation}/abandoned", "", reason)
+        self.invalidate()
 
     # ----------------------------------------------------------------------------------------------
     # Point to point
@@ -209,11 +233,19 @@ class WeightSyncGroup:
         return self._pg.broadcast([tensor], opts)
 
     def wait(self, work: Any, *, peer: int, what: str, bucket: int | None = None) -> None:
-        """Wait for ``work`` at most ``timeout_s``; raise ``WeightSyncError`` naming ``peer`` otherwise."""
+        """Wait for ``work`` (a send or receive with ``peer``) at most ``timeout_s``, less if ``peer``'s
+        heartbeat stands still for ``dead_after_s`` or a member abandons the generation; raise
+        ``WeightSyncError`` naming ``peer`` (and ``bucket``) when it does not complete."""
+        where = f" (bucket {bucket})" if bucket is not None else ""
         try:
-            work.wait(_td(self.timeout_s))
+            if peer != self.rank and self._polls_transfers:
+                self._wait_while_beating(
+                    work.is_completed, peer, self.timeout_s, f"{what}{where} to complete", in_sync=True
+                )
+            work.wait(_td(self.timeout_s))  # complete by now: raises its error, orders NCCL's stream
+        except WeightSyncError:
+            raise
         except Exception as exc:
-            where = f" (bucket {bucket})" if bucket is not None else ""
             raise WeightSyncError(
                 f"rank {self.rank}: {what} with peer rank {peer}{where} failed or missed its "
                 f"{self.timeout_s}s deadline: {exc}",
@@ -229,14 +261,21 @@ class WeightSyncGroup:
         """Publish ``value`` (JSON-serialisable) under ``key``."""
         self.store.set(key, json.dumps(value))
 
-    def get(self, key: str, *, peer: int | None = None, timeout_s: float | None = None) -> Any:
-        """Wait (at most ``timeout_s``, default the group's) for ``key`` and return its JSON value."""
+    def get(
+        self, key: str, *, peer: int | None = None, timeout_s: float | None = None, in_sync: bool = False
+    ) -> Any:
+        """Wait (at most ``timeout_s``, default the group's) for ``key`` and return its JSON value; with
+        ``peer``, less once its heartbeat stood still, and ``in_sync`` (a message of the current
+        generation's sync), once a member abandoned the generation."""
         timeout = self.timeout_s if timeout_s is None else timeout_s
         try:
             if peer is None or peer == self.rank:
                 self.store.wait([key], _td(timeout))
             else:
-                self._wait_while_beating(key, peer, timeout)
+                store = self.store
+                self._wait_while_beating(
+                    lambda: store.check([key]), peer, timeout, f"it to publish {key!r}", in_sync=in_sync
+                )
             raw = self.store.get(key)
         except WeightSyncError:
             raise
@@ -247,20 +286,24 @@ class WeightSyncGroup:
             ) from exc
         return json.loads(raw.decode())
 
-    def _wait_while_beating(self, key: str, peer: int, timeout_s: float) -> None:
-        """Waits for ``key``, raising as soon as ``peer``'s heartbeat has stood still for ``dead_after_s``.
-
-        Polls (`check`, at most 10 ms apart: a sync's handshake must not wait long) instead of a store
-        wait with a short timeout, which torch logs as a warning each time it expires."""
-        deadline = time.monotonic() + timeout_s
-        beats, still_since, next_look = 0, time.monotonic(), time.monotonic() + self.heartbeat_s
-        pause = 0.001
-        while not self.store.check([key]):
+    def _wait_while_beating(
+        self, done: Callable[[], bool], peer: int, timeout_s: float, waiting_for: str, *, in_sync: bool
+    ) -> None:
+        """Polls ``done`` until it is true; raises ``WeightSyncError`` once ``peer``'s heartbeat has
+        stood still for ``dead_after_s`` or, ``in_sync``, once a member abandoned the generation, and
+        ``TimeoutError`` after ``timeout_s``. Polled, not waited with short timeouts: torch logs every
+        expired store wait as a warning, and a timed-out wait on a send or receive may break its pair."""
+        start = time.monotonic()
+        deadline = start + timeout_s
+        beats, still_since, next_look = 0, start, start + self.heartbeat_s
+        while not done():
             now = time.monotonic()
             if now >= deadline:
-                raise TimeoutError(f"{key!r} was not set within {timeout_s}s")
+                raise TimeoutError(f"{waiting_for} did not happen within {timeout_s}s")
             if now >= next_look:
                 next_look = now + self.heartbeat_s
+                if in_sync:
+                    self._raise_if_abandoned(peer, waiting_for)
                 seen = self.store.add(f"heartbeat/{peer}", 0)  # adding 0 reads the counter, no wait
                 if seen != beats:
                     beats, still_since = seen, now
@@ -268,11 +311,24 @@ class WeightSyncGroup:
                     raise WeightSyncError(
                         f"rank {self.rank}: peer rank {peer} is gone: its heartbeat stopped "
                         f"{now - still_since:.0f}s ago (dead_after_s={self.dead_after_s}) while rank "
-                        f"{self.rank} waited for it to publish {key!r}",
+                        f"{self.rank} waited for {waiting_for}",
                         peer=peer,
                     )
-            time.sleep(min(pause, max(deadline - now, 0.0)))
-            pause = min(2 * pause, 0.01)
+            # A twentieth of the time waited so far (50 us to 10 ms): a wait overshoots what it waits
+            # for by at most 5% (a sync's many short waits stay short), a long one polls 100 times a second.
+            time.sleep(min(max((now - start) / 20, 5e-5), 0.01, max(deadline - now, 0.0)))
+
+    def _raise_if_abandoned(self, peer: int, waiting_for: str) -> None:
+        if self.generation is None:
+            return
+        key = f"gen/{self.generation}/abandoned"
+        if self.store.check([key]):
+            reason = json.loads(self.store.get(key).decode())
+            raise WeightSyncError(
+                f"rank {self.rank}: stopped waiting for {waiting_for} (peer rank {peer}): generation "
+                f"{self.generation} of the group was abandoned by {reason}",
+                peer=peer,
+            )
 
     def delete(self, key: str) -> None:
         """Remove ``key`` (no error when it is absent)."""
