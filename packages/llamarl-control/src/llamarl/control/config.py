@@ -149,8 +149,8 @@ class WeightSyncConfig(ConfigSection):
     """bucket size of a transfer, MiB"""
     timeout_s: float = Field(600.0, gt=0)
     """deadline (s) of each step of a sync (forming the group, every bucket), capped by launch.timeout_s;
-    a receiver that died between syncs fails a sync sooner, once its heartbeat has stood still for 10 s;
-    lower this where engines may die mid-transfer (stream mode with vLLM) so such a sync fails fast"""
+    a receiver that died between syncs (or, on NCCL, mid-transfer) fails a sync sooner, once its
+    heartbeat has stood still for 10 s; on gloo, lower this where engines may hang mid-transfer"""
 
 
 class EvalConfig(ConfigSection):
