@@ -491,13 +491,15 @@ def test_stream_run_replaces_a_killed_vllm_engine_and_resumes_its_work_in_flight
     args = [
         *common_args(small_model_dir, gsm8k_dir, out), "--generator", "vllm", "--vllm-python", python,
         "--no-wandb", "--mode", "stream", "--max-new-tokens", "48", "--checkpoint-every", "1",
-        # A sync caught in the engine's death fails within this deadline and is sent again on request.
-        "--weight-sync-timeout", "30", "--max-engine-restarts", "1",
+        # A sync caught in the engine's death fails within this deadline (or once the dead engine's
+        # heartbeat stood still for 3 s) and is sent again on request.
+        "--weight-sync-timeout", "30", "--weight-sync.dead-after-s", "3", "--max-engine-restarts", "1",
     ]  # fmt: skip
     result = run_app("gsm8k_rl", *args, env={"LLAMARL_FAULT": "1:1:engine"}, timeout=560)
     assert result.returncode == 0, result.stderr[-6000:]
     assert "restarting the engine" in result.stderr, result.stderr[-3000:]
     assert resolved_config(out)["generator"]["max_engine_restarts"] == 1
+    assert resolved_config(out)["weight_sync"]["dead_after_s"] == 3
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["final_policy_version"] == 3
     assert summary["engine_restarts"] == 1  # the one restart allowed

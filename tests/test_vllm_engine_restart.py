@@ -52,7 +52,12 @@ def _trainer(rdv, model_dir: str) -> dict:
     out: dict = {}
     wait_for(rdv, "engine_up")  # the engine's join and the sender's construction meet in the store
     group = WeightSyncGroup(
-        host=rdv.host, port=rdv.port, rank=0, world_size=2, timeout_s=SYNC_TIMEOUT_S, dead_after_s=DEAD_AFTER_S
+        host=rdv.host,
+        port=rdv.port,
+        rank=0,
+        world_size=2,
+        timeout_s=SYNC_TIMEOUT_S,
+        dead_after_s=DEAD_AFTER_S,
     )
     sender = WeightSender(group, trainer.model)
     perturb(trainer.model, seed=1)

@@ -209,6 +209,7 @@ def _sync_rank(rank: int, world_size: int, rendezvous, model_dir: str, cpu: bool
     import torch.distributed as dist
 
     from llamarl.control.channels.weights import connect_generator, open_sender, weight_channel_address
+    from llamarl.control.config import WeightSyncConfig
     from llamarl.control.devices import generation_dtype, group_backend, weight_wire_dtype
     from llamarl.exec.config import SamplingConfig
     from llamarl.exec.hf_generator import HFGenerator
@@ -229,6 +230,7 @@ def _sync_rank(rank: int, world_size: int, rendezvous, model_dir: str, cpu: bool
             trainer.model,
             address,
             timeout_s=120,
+            dead_after_s=WeightSyncConfig().dead_after_s,
             bucket_mb=256,
             wire_dtype=weight_wire_dtype(generation_dtype("auto", device)),
         )

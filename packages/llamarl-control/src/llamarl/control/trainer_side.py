@@ -84,6 +84,7 @@ class TrainerSide(Side):
             self.trainer.sync_tensors(),  # the model, or only its LoRA adapters
             address,
             timeout_s=cfg.sync_deadline_s,
+            dead_after_s=cfg.weight_sync.dead_after_s,
             bucket_mb=cfg.weight_sync.bucket_mb,
             wire_dtype=weight_wire_dtype(generation_dtype(cfg.generator.precision, self.device)),
         )

@@ -53,14 +53,16 @@ def open_sender(
     address: WeightChannelAddress,
     *,
     timeout_s: float,
+    dead_after_s: float,
     bucket_mb: int,
     wire_dtype: torch.dtype | None,
 ) -> tuple[WeightSyncGroup, WeightSender]:
     """A trainer rank's end: joins the group as a source of `model`'s weights (its FSDP2 shards, if
-    sharded), or of the tensors of a {name: tensor} mapping. `timeout_s` bounds each step of a sync.
-    On NCCL the buckets are packed on this rank's current GPU."""
+    sharded), or of the tensors of a {name: tensor} mapping. `timeout_s` bounds each step of a sync,
+    `dead_after_s` a wait for a generator whose heartbeat stood still. On NCCL the buckets are packed on
+    this rank's current GPU."""
     device = torch.device("cuda", torch.cuda.current_device()) if address.backend == "nccl" else None
-    group = WeightSyncGroup(**asdict(address), timeout_s=timeout_s, device=device)
+    group = WeightSyncGroup(**asdict(address), timeout_s=timeout_s, dead_after_s=dead_after_s, device=device)
     try:
         return group, WeightSender(group, model, bucket_bytes=bucket_mb << 20, wire_dtype=wire_dtype)
     except BaseException:
