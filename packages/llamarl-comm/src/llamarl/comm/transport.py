@@ -131,7 +131,6 @@ class WeightSyncGroup:
         self.store = dist.PrefixStore(f"{prefix}/", self._tcp_store)
         self.generation: int | None = None
         self._pg: Any = None
-        self._polls_transfers = False
         self.heartbeat_s = heartbeat_s
         self.dead_after_s = dead_after_s
         self._heartbeat = _Heartbeat(host, port, prefix, rank, heartbeat_s, timeout_s)
@@ -169,9 +168,6 @@ class WeightSyncGroup:
                 peer=missing[0] if missing else None,
             ) from exc
         self._pg = pg
-        # gloo's sends and receives say they are complete only once waited on: they are waited on with
-        # the deadline (gloo fails them at once when the peer's process dies and its socket closes).
-        self._polls_transfers = not isinstance(pg, dist.ProcessGroupGloo)
         self.generation = generation
         self.store.set(f"gen/{generation}/done", "1")
 
@@ -238,7 +234,9 @@ class WeightSyncGroup:
         ``WeightSyncError`` naming ``peer`` (and ``bucket``) when it does not complete."""
         where = f" (bucket {bucket})" if bucket is not None else ""
         try:
-            if peer != self.rank and self._polls_transfers:
+            # gloo's sends and receives say they are complete only once waited on: they are waited on
+            # with the deadline (gloo fails them at once when the peer's process dies, its socket closed).
+            if peer != self.rank and not isinstance(self._pg, dist.ProcessGroupGloo):
                 self._wait_while_beating(
                     work.is_completed, peer, self.timeout_s, f"{what}{where} to complete", in_sync=True
                 )
