@@ -309,8 +309,8 @@ class HFGenerator:
                 sequences = self.model.generate(
                     input_ids=prompt_ids_BP.to(device),
                     attention_mask=prompt_mask_BP.to(device),
-                    past_key_values=self._shared_prompt_cache(
-                        prompt_ids_BP, prompt_mask_BP, samples_per_prompt
+                    past_key_values=self._kv_cache(
+                        prompt_ids_BP, prompt_mask_BP, samples_per_prompt, max_new_tokens
                     ),
                     generation_config=generation_config,
                     logits_processor=LogitsProcessorList([recorder]),
@@ -344,20 +344,27 @@ class HFGenerator:
             samples_per_prompt,
         )
 
-    def _shared_prompt_cache(
-        self, prompt_ids_BP: torch.Tensor, prompt_mask_BP: torch.Tensor, samples_per_prompt: int
+    def _kv_cache(
+        self,
+        prompt_ids_BP: torch.Tensor,
+        prompt_mask_BP: torch.Tensor,
+        samples_per_prompt: int,
+        max_new_tokens: int,
     ) -> Cache | None:
-        """The KV cache of every prompt's tokens but its last, computed once per prompt and repeated for
-        its samples (rows are a prompt's samples, contiguous): `generate` then forwards only the last
-        prompt token of each row before it decodes. None (generate prefills every row itself) for one
-        sample per prompt or one-token prompts.
+        """The KV cache `generate` decodes into: every prompt's tokens but its last, computed once per
+        prompt and repeated for its samples (rows are a prompt's samples, contiguous), with room
+        reserved for the whole generation (`llamarl.exec.kv_cache`, each step written in place).
+        `generate` then forwards only the last prompt token of each row before it decodes. None
+        (generate builds its own) for one-token prompts.
 
-        Without it each prompt is forwarded once per sample: for GSM8K's 4 prompts x 4 samples x 128
-        new tokens, 1536 prompt positions (padded) beside 2048 decoded tokens, instead of 380.
+        Without the sharing each prompt is forwarded once per sample: for GSM8K's 4 prompts x 4 samples
+        x 128 new tokens, 1536 prompt positions (padded) beside 2048 decoded tokens, instead of 380.
         Positions follow the attention mask as `generate`'s own (cumulative sum of the mask minus one,
         padding at 1), so the cache is the one it would build.
         """
-        if samples_per_prompt == 1 or prompt_ids_BP.shape[1] < 2:
+        from llamarl.exec.kv_cache import reserve  # (imports transformers: only where it is used)
+
+        if prompt_ids_BP.shape[1] < 2:
             return None
         device = self.model.device
         ids_GP = prompt_ids_BP[::samples_per_prompt, :-1].to(device)
@@ -366,8 +373,9 @@ class HFGenerator:
         cache = self.model(
             input_ids=ids_GP, attention_mask=mask_GP, position_ids=positions_GP, use_cache=True
         ).past_key_values
-        cache.batch_repeat_interleave(samples_per_prompt)
-        return cache
+        if samples_per_prompt > 1:
+            cache.batch_repeat_interleave(samples_per_prompt)
+        return reserve(cache, capacity=prompt_ids_BP.shape[1] + max_new_tokens)
 
     def _batch(
         self,
