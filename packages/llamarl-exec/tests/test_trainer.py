@@ -113,9 +113,11 @@ def test_unknown_loss_or_hyperparameter_fails_at_construction(tiny_model_dir):
 
 
 def test_shared_prompt_forward_matches_the_full_forward(tiny_model_dir, batch):
-    """Running each prompt once per group (keys/values reused) gives the same log-probs and gradients."""
-    shared = _trainer(tiny_model_dir, micro_batch_size=4, share_prompts=True)  # groups of 2: shared
-    full = _trainer(tiny_model_dir, micro_batch_size=4, share_prompts=False)
+    """Running each prompt once per group (keys/values reused) gives the same log-probs and gradients.
+    Padded rows share through a KV cache, which activation checkpointing (the default) rules out."""
+    kept = {"activation_checkpointing": False}
+    shared = _trainer(tiny_model_dir, micro_batch_size=4, share_prompts=True, **kept)  # groups of 2: shared
+    full = _trainer(tiny_model_dir, micro_batch_size=4, share_prompts=False, **kept)
     can_share = shared.forward._can_share_prompts
     assert can_share(batch.prompt_ids_BP[:4], batch.prompt_mask_BP[:4], batch.group_size)
     torch.testing.assert_close(
@@ -130,12 +132,16 @@ def test_shared_prompt_forward_matches_the_full_forward(tiny_model_dir, batch):
         torch.testing.assert_close(p_shared.grad, p_full.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_prompt_sharing_falls_back_when_a_group_is_split(tiny_model_dir, batch):
-    trainer = _trainer(tiny_model_dir, micro_batch_size=3)
+def test_prompt_sharing_falls_back_when_a_group_is_split_or_activations_are_recomputed(tiny_model_dir, batch):
+    trainer = _trainer(tiny_model_dir, micro_batch_size=3, activation_checkpointing=False)
     # Rows 0..2 hold one whole group and half of the next: not shareable, so the full forward runs.
     can_share = trainer.forward._can_share_prompts
+    assert can_share(batch.prompt_ids_BP[:2], batch.prompt_mask_BP[:2], batch.group_size)
     assert not can_share(batch.prompt_ids_BP[:3], batch.prompt_mask_BP[:3], batch.group_size)
     assert not can_share(batch.prompt_ids_BP[1:3], batch.prompt_mask_BP[1:3], 2)
+    # Nor under activation checkpointing (the default), which leaves the padded path no KV cache.
+    checkpointed = _trainer(tiny_model_dir, micro_batch_size=3).forward._can_share_prompts
+    assert not checkpointed(batch.prompt_ids_BP[:2], batch.prompt_mask_BP[:2], batch.group_size)
 
 
 @pytest.mark.parametrize("share_prompts", [False, True], ids=["one_prompt_per_sample", "shared_prompts"])
@@ -149,8 +155,14 @@ def test_packed_micro_batches_match_the_padded_path(tiny_model_dir, batch, monke
     lengths = batch.completion_mask_BC.sum(1)
     assert lengths.min() < lengths.max(), "the rollout should have uneven completion lengths"
     padded = _trainer(tiny_model_dir, micro_batch_size=2, share_prompts=False)
-    # A budget giving several rows, some with more than one sequence (a shared prompt counts once).
-    packed = _trainer(tiny_model_dir, pack_tokens=28 if share_prompts else 24, share_prompts=share_prompts)
+    # A budget giving several rows, some with more than one sequence (a shared prompt counts once);
+    # activations kept, so that each layer attends once per forward pass (none recomputed in backward).
+    packed = _trainer(
+        tiny_model_dir,
+        pack_tokens=28 if share_prompts else 24,
+        share_prompts=share_prompts,
+        activation_checkpointing=False,
+    )
     assert packed.model.config._attn_implementation == varlen_attention.VARLEN_ATTENTION
     assert padded.model.config._attn_implementation != varlen_attention.VARLEN_ATTENTION
     rows = packed.forward.micro_batches(batch)

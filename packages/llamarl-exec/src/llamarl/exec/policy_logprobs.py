@@ -204,6 +204,11 @@ class PolicyLogprobs:
         rows = prompt_ids_MP.shape[0]
         if not self.trainer.share_prompts or group_size < 2 or rows % group_size:
             return False
+        if self.trainer.activation_checkpointing:
+            # Padded rows share a prompt through a KV cache, which a checkpointed layer cannot fill:
+            # transformers drops the cache under activation checkpointing (recomputing the layer in
+            # backward would append its keys a second time). Packed rows share within one pass.
+            return False
         # The batch contract puts a prompt's samples next to each other; check it rather than trust it.
         ids_GSP = prompt_ids_MP.view(rows // group_size, group_size, -1)
         mask_GSP = prompt_mask_MP.view(rows // group_size, group_size, -1)
