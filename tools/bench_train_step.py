@@ -40,12 +40,13 @@ from llamarl.exec import PolicyTrainer, smollm2_path
 from llamarl.exec.testing import build_trainer
 from llamarl.exec.types import RolloutBatch
 
+_KEPT = {"activation_checkpointing": False}
 LAYOUTS = {  # name -> trainer settings (pack_tokens of the packed ones is set from --pack-tokens)
-    "padded": {"share_prompts": False},
-    "shared": {"share_prompts": True},  # padded rows, each prompt forwarded once per group
-    "packed": {"share_prompts": False},  # packed rows, each sequence with its own prompt
-    "packed_shared": {"share_prompts": True},  # packed rows, each group's prompt laid once
-    # the same with activation checkpointing, as TRL's defaults run
+    "padded": {"share_prompts": False, **_KEPT},
+    "shared": {"share_prompts": True, **_KEPT},  # padded rows, each prompt forwarded once per group
+    "packed": {"share_prompts": False, **_KEPT},  # packed rows, each sequence with its own prompt
+    "packed_shared": {"share_prompts": True, **_KEPT},  # packed rows, each group's prompt laid once
+    # the same with activation checkpointing (the trainer's default), as TRL's defaults run
     "packed_shared_checkpointed": {"share_prompts": True, "activation_checkpointing": True},
 }
 

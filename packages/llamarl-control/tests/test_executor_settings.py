@@ -77,8 +77,8 @@ def losses_at(loss_fn, ratios: list[float], advantages: list[float]):
 def test_loss_advantage_kl_and_clipping_flags_act_in_the_trainer(model_dir, tmp_path):
     trainer = trainer_from_command_line(
         model_dir, tmp_path, "--loss", "dapo", "--loss-arg", "clip_high=0.3", "--advantage", "rloo",
-        "--kl-coef", "0.1", "--kl-estimator", "k2", "--max-grad-norm", "0.25", "--activation-checkpointing",
-        "--pack-tokens", "0",
+        "--kl-coef", "0.1", "--kl-estimator", "k2", "--max-grad-norm", "0.25",
+        "--no-activation-checkpointing", "--pack-tokens", "0",
     )  # fmt: skip
     # DAPO with clip_high 0.3: a token at ratio 1.29 with a positive advantage is inside the clip range
     # (DAPO's default 0.28 and PPO's 0.2 clip it), one at 0.7 with a negative one is clipped (0.8).
@@ -95,8 +95,8 @@ def test_loss_advantage_kl_and_clipping_flags_act_in_the_trainer(model_dir, tmp_
     rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0])
     torch.testing.assert_close(trainer.advantage_fn(rewards, 4), rloo_advantages(rewards, 4))
     assert not torch.allclose(trainer.advantage_fn(rewards, 4), group_mean_advantages(rewards, 4))
-    # Activation checkpointing is on in the model; the KL penalty uses k2 against a frozen reference.
-    assert trainer.model.is_activation_checkpointing and trainer.ref_model is not None
+    # Activation checkpointing (on by default) is off; the KL penalty uses k2 against a frozen reference.
+    assert not trainer.model.is_activation_checkpointing and trainer.ref_model is not None
     applied: list[float] = []
     trainer.optimizer.register_step_pre_hook(
         lambda optimizer, args, kwargs: applied.append(

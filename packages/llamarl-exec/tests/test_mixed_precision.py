@@ -66,6 +66,20 @@ def test_bf16_loss_and_gradients_stay_within_tolerance_of_fp32(tiny_model_dir, b
     assert 0 < difference < 0.1, difference
 
 
+@pytest.mark.parametrize("compute_dtype", [None, "bfloat16"])
+def test_activation_checkpointing_gives_the_gradients_of_kept_activations(
+    tiny_model_dir, batch, compute_dtype
+):
+    """On by default: the compute copy recomputes each layer in backward, to the same gradients."""
+    kept = _trainer(tiny_model_dir, compute_dtype=compute_dtype, activation_checkpointing=False)
+    recomputed = _trainer(tiny_model_dir, compute_dtype=compute_dtype)
+    assert recomputed.compute_model.is_activation_checkpointing
+    assert not kept.compute_model.is_activation_checkpointing
+    kept.accumulate_gradients(batch)
+    recomputed.accumulate_gradients(batch)
+    torch.testing.assert_close(_flat_grad(recomputed), _flat_grad(kept), rtol=0, atol=0)
+
+
 def test_bf16_micro_batches_accumulate_in_float32(tiny_model_dir, batch):
     """Micro-batch gradients are summed into the float32 master gradient, so splitting the batch changes
     the gradient only by bf16's per-pass rounding, not by a bf16 accumulation."""

@@ -54,7 +54,7 @@ SHORT_FLAGS: dict[str, str] = {
     "trainer.micro_batch_size": "--micro-batch-size",
     "trainer.pack_tokens": "--pack-tokens",
     "trainer.max_grad_norm": "--max-grad-norm",
-    "trainer.activation_checkpointing": "--activation-checkpointing",
+    "trainer.activation_checkpointing": "--activation-checkpointing",  # (and --no-activation-checkpointing)
     "generator.backend": "--generator",
     "generator.vllm_python": "--vllm-python",
     "generator.max_engine_restarts": "--max-engine-restarts",

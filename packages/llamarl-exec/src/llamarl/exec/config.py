@@ -111,9 +111,12 @@ class TrainerConfig(ConfigSection):
     micro_batch_size: int = Field(4, ge=1)
     """sequences per forward/backward pass when pack_tokens is 0"""
     share_prompts: bool = True
-    """forward each prompt once per group and let its samples attend to it (same gradients)"""
-    activation_checkpointing: bool = False
-    """recompute activations in backward: less memory, more compute"""
+    """forward each prompt once per group and let its samples attend to it (same gradients; padded rows
+    only without activation_checkpointing)"""
+    activation_checkpointing: bool = True
+    """recompute each decoder layer's activations in backward: the trainer's peak memory 5.4 -> 3.8 GB
+    for the GSM8K benchmark's step on the CPU at 8% more step time; off where the trainer bounds the step
+    and memory is plentiful"""
     precision: Precision = "auto"
     """bf16: forward and backward in bf16 with float32 master weights, gradients and AdamW state; fp32:
     float32 throughout; auto: bf16 where the device computes it fast (CUDA with bf16, CPUs with
