@@ -345,38 +345,42 @@ def test_a_dead_receiver_is_told_from_a_slow_one_by_its_heartbeat(transport: str
 FAULT_TIMEOUT_S = 30.0  # the deadline of every wait in the mid-sync fault tests: never reached
 
 
-def _fault_at_first_receive(host: str, port: int, named: dict, fault: str) -> None:
+def _fault_in_the_middle(host: str, port: int, named: dict, transport: str, fault: str) -> None:
     """Rank 1 (of a chain 0 -> 1 -> 2) takes part in a sync until its first receive, where it freezes
     (SIGSTOP: its connections open, its heartbeat still, as a hung or unreachable process) or raises
-    (it stays alive and beating, and its sync fails)."""
+    (it stays alive and beating, and its sync fails); "freeze-in-transfer": it freezes at its first
+    wait for a transfer instead, once it has posted its receives and told rank 0 so, as the bytes flow."""
     group = WeightSyncGroup(
         host=host, port=port, rank=1, world_size=3, timeout_s=FAULT_TIMEOUT_S, **HEARTBEAT,
-        **transport_kwargs("nccl-rules"),
+        **transport_kwargs(transport),
     )  # fmt: skip
-    receive = group.recv
+    where = "wait" if fault == "freeze-in-transfer" else "recv"
+    original = getattr(group, where)
 
-    def fault_then_receive(*args, **kwargs):
-        if fault == "freeze":
-            os.kill(os.getpid(), signal.SIGSTOP)
-        else:
+    def fault_then_go_on(*args, **kwargs):
+        if fault == "raise":
             raise RuntimeError("a fault injected at rank 1's first receive")
-        return receive(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return original(*args, **kwargs)
 
-    group.recv = fault_then_receive  # type: ignore[method-assign]
+    setattr(group, where, fault_then_go_on)
     with contextlib.suppress(RuntimeError):  # the injected fault
         WeightReceiver(group, {k: torch.zeros_like(v) for k, v in named.items()}).receive()
     time.sleep(60)  # alive (and beating) until killed
 
 
-def _mid_sync_fault_worker(rank: int, world_size: int, rdv, fault: str):
-    """Rank 0 sends along the chain 0 -> 1 -> 2 over the NCCL-rules transport; rank 1 meets `fault` at
-    its first receive. Returns ranks 0 and 2's errors and how long their syncs took (rank 1: the exit
-    code of its process, killed once the others are done)."""
-    named = {f"w{i}": torch.full((64, 64), float(i)) for i in range(8)}
+def _mid_sync_fault_worker(rank: int, world_size: int, rdv, transport: str, fault: str):
+    """Rank 0 sends along the chain 0 -> 1 -> 2; rank 1 meets `fault` (see `_fault_in_the_middle`).
+    Returns ranks 0 and 2's errors and how long their syncs took (rank 1: the exit code of its process,
+    killed once the others are done)."""
+    # Frozen in transfer, rank 1 must leave rank 0's sends waiting: more bytes than a loopback
+    # socket's buffers take in (gloo's send completes once its bytes are in the socket).
+    side = 1024 if fault == "freeze-in-transfer" else 64
+    named = {f"w{i}": torch.full((side, side), float(i)) for i in range(8)}
     over = os.path.join(rdv.tmpdir, "over")
     if rank == 1:
         child = mp.get_context("fork").Process(
-            target=_fault_at_first_receive, args=(rdv.host, rdv.port, named, fault)
+            target=_fault_in_the_middle, args=(rdv.host, rdv.port, named, transport, fault)
         )
         child.start()
         wait_until(
@@ -387,7 +391,7 @@ def _mid_sync_fault_worker(rank: int, world_size: int, rdv, fault: str):
         return child.exitcode
     group = WeightSyncGroup(
         host=rdv.host, port=rdv.port, rank=rank, world_size=3, timeout_s=FAULT_TIMEOUT_S, **HEARTBEAT,
-        **transport_kwargs("nccl-rules"),
+        **transport_kwargs(transport),
     )  # fmt: skip
     start = time.monotonic()
     try:
@@ -405,20 +409,22 @@ def _mid_sync_fault_worker(rank: int, world_size: int, rdv, fault: str):
     return result
 
 
-@pytest.mark.parametrize("fault", ["freeze", "raise"])
-def test_a_fault_mid_sync_ends_the_nccl_sync_of_every_member_in_seconds(fault: str) -> None:
-    """NCCL never fails a transfer whose peer hangs or died, and a failed member leaves its peers'
-    transfers waiting. Rank 1, in the middle of the chain 0 -> 1 -> 2, freezes or raises at its first
-    receive. Frozen: ranks 0 and 2 end their waits on it once its heartbeat has stood still for
-    dead_after_s (1 s). Raised: rank 1 abandons the group's generation, and rank 0, waiting for rank 1
-    to say it is ready, ends at its next look at the store (every 0.2 s). None waits out the 30 s
-    deadline."""
-    sender, exitcode, tail = run_distributed(_mid_sync_fault_worker, 3, fault, timeout_s=90)
+@pytest.mark.parametrize("fault", ["freeze", "freeze-in-transfer", "raise"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_fault_mid_sync_ends_the_sync_of_every_member_in_seconds(transport: str, fault: str) -> None:
+    """Rank 1, in the middle of the chain 0 -> 1 -> 2, freezes or raises at its first receive, or
+    freezes as the bytes flow. NCCL never fails a transfer whose peer hangs or died, gloo only once the
+    peer's socket closes (never for a frozen process), and a failed member leaves its peers' transfers
+    waiting. Frozen: ranks 0 and 2 end their waits on it, for a message in the store or a transfer,
+    once its heartbeat has stood still for dead_after_s (1 s). Raised: rank 1 abandons the group's
+    generation, and rank 0, waiting for rank 1 to say it is ready, ends at its next look at the store
+    (every 0.2 s). None waits out the 30 s deadline."""
+    sender, exitcode, tail = run_distributed(_mid_sync_fault_worker, 3, transport, fault, timeout_s=90)
     assert exitcode == -signal.SIGKILL  # still frozen, or alive, when the others were done
     for rank, result in ((0, sender), (2, tail)):
         assert result is not None, f"rank {rank} finished a sync that rank 1 never took part in"
         assert result["peer"] == 1, result
-        if fault == "freeze":
+        if fault != "raise":
             assert "peer rank 1 is gone: its heartbeat stopped" in result["message"], result
             assert result["seconds"] < 1.0 + 4.0 < FAULT_TIMEOUT_S, result
         else:
