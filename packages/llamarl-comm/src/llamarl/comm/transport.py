@@ -392,27 +392,10 @@ class WeightSyncGroup:
         )
 
 
-class _Waited:
-    """A work handed to a `_Waiter`: done once its wait returned (a lock the waiter releases then, which
-    `wait` acquires: lighter than an Event, a sync waits hundreds of works); `result()` raises what the
-    wait raised."""
+class _Waited(threading.Event):
+    """A work handed to a `_Waiter`: set once its wait returned; `result()` raises what the wait raised."""
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._lock.acquire()
-        self._done = False
-        self.error: BaseException | None = None
-
-    def set(self) -> None:
-        self._done = True
-        self._lock.release()
-
-    def is_set(self) -> bool:
-        return self._done
-
-    def wait(self, timeout_s: float) -> None:
-        if self._lock.acquire(timeout=timeout_s):
-            self._lock.release()
+    error: BaseException | None = None
 
     def result(self) -> None:
         if self.error is not None:
