@@ -91,7 +91,10 @@ def _sync_worker(rank: int, world_size: int, rdv, model_dir: str, batch, lora_ra
         model_dir, SamplingConfig(), dtype=dtype, lora=lora, seed=0, eos_token_ids=[TINY_EOS_TOKEN_ID]
     )
     generator.setup()
-    generator.connect_weight_sync(host=rdv.host, port=rdv.port, rank=1, world_size=2, timeout_s=60)
+    generator.connect_weight_sync(
+        host=rdv.host, port=rdv.port, rank=1, world_size=2, timeout_s=60, dead_after_s=4.0
+    )
+    dead_after_s = generator._weights.group.dead_after_s
     for _ in range(NUM_STEPS):
         version = generator.receive_weights(60)
     # What the generator's model now computes, scored by a trainer forward (padded rows, as the trainer
@@ -101,7 +104,7 @@ def _sync_worker(rank: int, world_size: int, rdv, model_dir: str, batch, lora_ra
     scorer.model = scorer.compute_model = generator.model  # no_grad scoring of the generator's weights
     logprobs = scorer.compute_logprobs(batch)
     generator.close()
-    return {"version": version, "logprobs": logprobs}
+    return {"version": version, "logprobs": logprobs, "dead_after_s": dead_after_s}
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -110,6 +113,7 @@ def test_adapter_sync_makes_the_generator_compute_what_the_trainer_does(tiny_mod
     lora = run_distributed(_sync_worker, 2, str(tiny_model_dir), batch, LORA.rank, dtype, timeout_s=240)
     trainer, generator = lora
     assert generator["version"] == NUM_STEPS
+    assert generator["dead_after_s"] == 4.0  # the run's setting reaches the generator's group
     # The generator holds exactly the trainer's adapters (bf16: rounded as the trainer's compute copy
     # rounds them), so it computes the trainer's log-probs.
     tolerance = 1e-5 if dtype == "float32" else 2e-2

@@ -151,8 +151,9 @@ class WeightSyncConfig(ConfigSection):
     """deadline (s) of each step of a sync (forming the group, every bucket), capped by launch.timeout_s;
     a receiver that died or hung, between syncs or mid-transfer, fails a sync sooner (dead_after_s)"""
     dead_after_s: float = Field(10.0, ge=2.0)
-    """a generator whose heartbeat (one beat a second) has stood still this long (s, at least two
-    beats) is gone: the trainer's sync waiting for it fails then, whatever timeout_s"""
+    """a member whose heartbeat (one beat a second) has stood still this long (s, at least two beats)
+    is gone: a sync waiting for it fails then, whatever timeout_s (the trainer's on a generator, a
+    generator's on the trainer)"""
 
 
 class EvalConfig(ConfigSection):

@@ -113,7 +113,9 @@ class GeneratorSide(Side):
 
     def open_channels(self, address: WeightChannelAddress) -> None:
         cfg = self.config
-        connect_generator(self.generator, address, timeout_s=cfg.sync_deadline_s)
+        connect_generator(
+            self.generator, address, timeout_s=cfg.sync_deadline_s, dead_after_s=cfg.weight_sync.dead_after_s
+        )
         samples_path = self.output_dir / f"samples.rank{self.rank}.jsonl"
         if self.resumed is not None:  # lines written after the checkpoint are made again, so cut them
             ckpt.truncate(samples_path, self.resumed.rank_state["samples_bytes"])

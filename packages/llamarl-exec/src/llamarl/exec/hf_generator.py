@@ -185,13 +185,15 @@ class HFGenerator:
         rank: int,
         world_size: int,
         timeout_s: float,
+        dead_after_s: float = 10.0,
         src_rank: int = 0,
         backend: str = "gloo",
     ) -> None:
         """Joins the trainer's weight-sync group as `rank`; syncs then write into `model` in place (with
         LoRA: into its adapters only). The trainer's `WeightSender` must be built at about the same time.
-        `timeout_s` bounds each step of a sync (forming the group, every bucket). `backend` "nccl"
-        receives straight into the model on its GPU."""
+        `timeout_s` bounds each step of a sync (forming the group, every bucket), `dead_after_s` a wait
+        for a trainer rank whose heartbeat stood still. `backend` "nccl" receives straight into the
+        model on its GPU."""
         if self.model is None:
             raise RuntimeError("HFGenerator.connect_weight_sync called before setup()")
         group = WeightSyncGroup(
@@ -200,6 +202,7 @@ class HFGenerator:
             rank=rank,
             world_size=world_size,
             timeout_s=timeout_s,
+            dead_after_s=dead_after_s,
             backend=backend,
             device=self.device if backend == "nccl" else None,
         )

@@ -166,12 +166,14 @@ class Generator(Protocol):
         rank: int,
         world_size: int,
         timeout_s: float,
+        dead_after_s: float = 10.0,
         src_rank: int = 0,
         backend: str = "gloo",
     ) -> int | None:
         """Joins the trainer's weight-sync group (llamarl.comm) as `rank`: this process or its engine
-        receives straight from the trainer ranks. `timeout_s` bounds each step of a sync. `backend`:
-        the group's ("nccl" between GPUs, else "gloo"), the same on every member."""
+        receives straight from the trainer ranks. `timeout_s` bounds each step of a sync, `dead_after_s`
+        a wait for a trainer rank whose heartbeat stood still. `backend`: the group's ("nccl" between
+        GPUs, else "gloo"), the same on every member."""
         ...
 
     def receive_weights(self, timeout_s: float) -> int:

@@ -249,6 +249,7 @@ class VLLMGenerator:
         rank: int,
         world_size: int,
         timeout_s: float,
+        dead_after_s: float = 10.0,
         src_rank: int = 0,
         backend: str = "gloo",
     ) -> int:
@@ -262,6 +263,7 @@ class VLLMGenerator:
             rank=rank,
             world_size=world_size,
             timeout_s=timeout_s,
+            dead_after_s=dead_after_s,
             src_rank=src_rank,
             backend=backend,
         )

@@ -202,6 +202,7 @@ class WeightSyncWorkerExtension:
         src_rank: int = 0,
         backend: str | None = None,
         colocated: bool = False,
+        dead_after_s: float = 10.0,
     ) -> int:
         """Join the weight-sync group hosted by the trainer (rank `src_rank` hosts the store).
 
@@ -211,9 +212,11 @@ class WeightSyncWorkerExtension:
         wait (at most `timeout_s`) for each other's. Returns the number of tensors this worker expects.
 
         `backend`: "nccl" when the worker's device is CUDA (received straight into buffers on that GPU),
-        else "gloo"; the trainer's group must use the same. `colocated=True`: the trainer runs on this
-        worker's GPU with a `llamarl.comm.colocated.ColocatedSender`, whose memory the worker maps (no
-        process group, no staging). Neither CUDA path has run on a GPU yet (module doc).
+        else "gloo"; the trainer's group must use the same. `dead_after_s`: a wait for a trainer rank
+        ends once its heartbeat has stood still this long (`WeightSyncGroup`). `colocated=True`: the
+        trainer runs on this worker's GPU with a `llamarl.comm.colocated.ColocatedSender`, whose memory
+        the worker maps (no process group, no staging). Neither CUDA path has run on a GPU yet (module
+        doc).
         """
         from llamarl.comm import WeightReceiver, WeightSyncGroup
         from llamarl.comm.colocated import ColocatedReceiver
@@ -233,6 +236,7 @@ class WeightSyncWorkerExtension:
             timeout_s=timeout_s,
             backend=backend,
             device=device if backend == "nccl" else None,
+            dead_after_s=dead_after_s,
         )
         # The receivers only read names, shapes and dtypes from these (meta: no memory). The p2p one
         # stages each sync in buffers of its own on the group's device; the colocated one hands vLLM's

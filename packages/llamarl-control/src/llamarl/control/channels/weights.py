@@ -70,7 +70,12 @@ def open_sender(
         raise
 
 
-def connect_generator(generator: Generator, address: WeightChannelAddress, *, timeout_s: float) -> None:
+def connect_generator(
+    generator: Generator, address: WeightChannelAddress, *, timeout_s: float, dead_after_s: float
+) -> None:
     """A generator rank's end: the generator (or its engine) joins the group and receives straight from
-    the trainer ranks from then on (`generator.receive_weights`)."""
-    generator.connect_weight_sync(**asdict(address), timeout_s=timeout_s, src_rank=FIRST_TRAINER_RANK)
+    the trainer ranks from then on (`generator.receive_weights`). `dead_after_s`: as `open_sender`'s,
+    for a wait on a trainer rank."""
+    generator.connect_weight_sync(
+        **asdict(address), timeout_s=timeout_s, dead_after_s=dead_after_s, src_rank=FIRST_TRAINER_RANK
+    )
