@@ -251,7 +251,7 @@ def _sync_rank(rank: int, world_size: int, rendezvous, model_dir: str, cpu: bool
             model_dir, SamplingConfig(), device=str(device), dtype=generation_dtype("auto", device)
         )
         generator.setup()
-        connect_generator(generator, address, timeout_s=120)
+        connect_generator(generator, address, timeout_s=120, dead_after_s=WeightSyncConfig().dead_after_s)
         for _ in range(3):
             dist.barrier()
             generator.receive_weights(timeout_s=120)
