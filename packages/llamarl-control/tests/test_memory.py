@@ -58,6 +58,11 @@ def test_spawned_workers_are_told_from_the_resource_tracker_by_what_they_run():
         import psutil
 
         me = psutil.Process()
+        # Spawning forks, then execs: until the exec, the child's command line is still this process's.
+        deadline = time.monotonic() + 20
+        while "spawn_main" not in " ".join(psutil.Process(worker.pid).cmdline()):
+            assert time.monotonic() < deadline, "the spawned worker never ran its own command line"
+            time.sleep(0.01)
         labels = {
             p.pid: describe_process(p, me.pid, "rank 1 generator", "reward worker") for p in me.children()
         }
