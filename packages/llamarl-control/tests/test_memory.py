@@ -9,6 +9,7 @@ import time
 import psutil
 import pytest
 
+from llamarl.comm.testing import wait_until
 from llamarl.control.memory import ProcessTreeMemory, memory_summary, own_peak
 
 # A child that touches 300 MB, frees it, then idles: its peak is far above what it holds at the end.
@@ -59,10 +60,11 @@ def test_spawned_workers_are_told_from_the_resource_tracker_by_what_they_run():
 
         me = psutil.Process()
         # Spawning forks, then execs: until the exec, the child's command line is still this process's.
-        deadline = time.monotonic() + 20
-        while "spawn_main" not in " ".join(psutil.Process(worker.pid).cmdline()):
-            assert time.monotonic() < deadline, "the spawned worker never ran its own command line"
-            time.sleep(0.01)
+        wait_until(
+            lambda: "spawn_main" in " ".join(psutil.Process(worker.pid).cmdline()),
+            timeout_s=20,
+            what="the spawned worker's own command line",
+        )
         labels = {
             p.pid: describe_process(p, me.pid, "rank 1 generator", "reward worker") for p in me.children()
         }
