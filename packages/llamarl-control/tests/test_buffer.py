@@ -24,7 +24,8 @@ WAIT_S = 30.0  # a deadline that only a hang reaches
 
 def groups(*ids: int, versions: tuple[int, ...] | None = None, lengths: tuple[int, ...] | None = None):
     """One batch of len(ids) groups of GROUP_SIZE samples; group g's rewards are ids[g] (its tag), its
-    samples were sampled by versions[g] (default 0) and have lengths[g] completion tokens (default 2)."""
+    prompt position too, its samples were sampled by versions[g] (default 0) and have lengths[g]
+    completion tokens (default 2)."""
     versions = versions or (0,) * len(ids)
     lengths = lengths or (2,) * len(ids)
     rows = len(ids) * GROUP_SIZE
@@ -41,6 +42,7 @@ def groups(*ids: int, versions: tuple[int, ...] | None = None, lengths: tuple[in
         rewards_B=torch.tensor(ids, dtype=torch.float32).repeat_interleave(GROUP_SIZE),
         policy_version_B=torch.tensor(versions, dtype=torch.int64).repeat_interleave(GROUP_SIZE),
         group_size=GROUP_SIZE,
+        prompt_position_B=torch.tensor(ids, dtype=torch.int64).repeat_interleave(GROUP_SIZE),
     )
 
 
@@ -254,3 +256,66 @@ def test_a_holding_buffer_takes_puts_beyond_its_capacity_without_waiting():
     buffer.hold(False)
     with pytest.raises(BufferTimeout):
         buffer.put(groups(4), timeout_s=0.05)
+
+
+def in_admission_order(capacity_groups: int = 4, max_policy_lag: int = 1) -> RolloutBuffer:
+    """A buffer whose groups' admission tickets are their tags minus 10 (tag 10 was admitted first)."""
+    return RolloutBuffer(
+        capacity_groups=capacity_groups,
+        max_policy_lag=max_policy_lag,
+        ticket_of=lambda position: position - 10,
+    )
+
+
+def test_groups_are_taken_in_admission_order_and_one_admitted_earlier_is_waited_for():
+    """With two generators a group admitted early can arrive after later ones; admission control's
+    bound assumes the trainer takes them in admission order, so a take waits for it."""
+    buffer = in_admission_order()
+    buffer.put(groups(12, 11), timeout_s=WAIT_S)  # arrived first, admitted second and third
+    thread, out = run_in_thread(lambda: buffer.take(2, current_version=0, timeout_s=WAIT_S))
+    thread.join(0.2)
+    assert thread.is_alive(), "took groups past one admitted before them"
+    buffer.put(groups(10), timeout_s=WAIT_S)
+    thread.join(WAIT_S)
+    assert not thread.is_alive() and tags(out["result"]) == [10, 11]
+    assert tags(buffer.take(1, current_version=0, timeout_s=WAIT_S)) == [12]
+    with pytest.raises(
+        BufferTimeout, match=r"1 more groups from the generators \(the next one admitted: ticket 3\)"
+    ):
+        buffer.take(1, current_version=0, timeout_s=0.05)
+
+
+def test_a_full_buffer_never_holds_back_a_group_admitted_before_those_in_it():
+    # The trainer may be waiting for exactly that group: holding it back would wait until the deadline.
+    buffer = in_admission_order(capacity_groups=2)
+    buffer.put(groups(11, 12), timeout_s=WAIT_S)
+    buffer.put(groups(10), timeout_s=0.05)
+    assert len(buffer) == 3
+    with pytest.raises(BufferTimeout):  # one admitted after them waits for room as before
+        buffer.put(groups(13), timeout_s=0.05)
+    assert tags(buffer.take(3, current_version=0, timeout_s=WAIT_S)) == [10, 11, 12]
+
+
+def test_a_failed_take_keeps_what_it_dropped_dropped_and_a_checkpoint_of_it_resumes_in_order():
+    buffer = in_admission_order(max_policy_lag=0)
+    buffer.put(groups(10, 11, 13, versions=(0, 1, 1)), timeout_s=WAIT_S)  # 12 still sampling
+    with pytest.raises(BufferTimeout):
+        buffer.take(3, current_version=1, timeout_s=0.05)  # drops 10 (stale), holds 11, waits for 12
+    assert len(buffer) == 2 and (buffer.counts.dropped_stale, buffer.counts.taken) == (1, 0)
+    restored = in_admission_order(max_policy_lag=0)
+    restored.restore(buffer.state())
+    for each in (buffer, restored):
+        each.put(groups(12, versions=(1,)), timeout_s=WAIT_S)
+        assert tags(each.take(3, current_version=1, timeout_s=WAIT_S)) == [11, 12, 13]
+        assert (each.counts.dropped_stale, each.counts.taken) == (1, 3)
+
+
+def test_a_checkpoint_from_before_tickets_restores_its_groups_in_arrival_order():
+    old_state = {
+        "groups": [(groups(7).tensors(), GROUP_SIZE), (groups(8).tensors(), GROUP_SIZE)],
+        "counts": {"received": 5, "dropped_stale": 1, "taken": 2, "markers": 1},
+    }
+    buffer = RolloutBuffer(capacity_groups=4, max_policy_lag=1)
+    buffer.restore(old_state)
+    buffer.put(groups(9), timeout_s=WAIT_S)
+    assert tags(buffer.take(3, current_version=0, timeout_s=WAIT_S)) == [7, 8, 9]

@@ -160,6 +160,18 @@ class DictStore:
             self._data[key] = str(value).encode()
             return value
 
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        """As torch's stores: sets `desired` if the value is `expected` ("": no value); returns the
+        value after."""
+        with self._lock:
+            if self._data.get(key, b"") == expected.encode():
+                self._data[key] = desired.encode()
+            return self._data[key]
+
+    def delete_key(self, key: str) -> bool:
+        with self._lock:
+            return self._data.pop(key, None) is not None
+
 
 class FakePrompts:
     """Prompt i is the token [i]; the first sample of each group decodes to its prompt index."""
@@ -339,6 +351,7 @@ def run_stream(
     on_checkpoint=None,
     buffer: RolloutBuffer | None = None,
     first_step: int = 0,
+    control: StreamControl | None = None,
 ):
     """Both loops of a stream run on their own threads, joined by a real buffer, outbox and drain.
 
@@ -347,8 +360,11 @@ def run_stream(
     the generator is paused too (its `on_checkpoint_generator` part runs first, in its own thread).
     """
     link.threaded = True
-    control = StreamControl(DictStore())
-    buffer = buffer or RolloutBuffer(capacity_groups=buffer_groups, max_policy_lag=trainer.max_policy_lag)
+    control = control or StreamControl(DictStore())
+    if buffer is None:  # (not `buffer or`: an empty buffer is falsy)
+        buffer = RolloutBuffer(
+            capacity_groups=buffer_groups, max_policy_lag=trainer.max_policy_lag, ticket_of=control.ticket_of
+        )
     paused = threading.Barrier(2, timeout=10)  # the generator stays paused while the trainer saves
 
     def after_step(version: int) -> None:
@@ -453,19 +469,87 @@ def test_admission_read_in_the_middle_of_a_take_never_admits_a_group_that_would_
     def generator_asks(control: StreamControl) -> bool:
         return control.admit(2, version=version, prompts_per_step=2, max_policy_lag=1)
 
-    store = InterleavingStore(lambda: decisions.append(generator_asks(control)))
+    store = InterleavingStore(lambda: decisions.append(generator_asks(control) is not None))
     control = StreamControl(store)
-    control.restore_counts({control._ADMITTED: 10 + ahead, control._CONSUMED: 10, control._TAKEN: 5})
+    counts = {control._ADMITTED: 10 + ahead, control._CONSUMED: 10, control._TAKEN: 5}
+    control.restore_counts(counts)
     store.armed = True
     control.consumed(2)  # the batch that trains version 5 taken
     assert len(decisions) == 1
-    if decisions[0]:  # admitted half-way: then also with the counters settled, so within the bound
-        control.release(2)
+    # Admitted half-way or not, the settled counters decide again (as if nothing had been admitted).
+    control.restore_counts({**counts, control._CONSUMED: 12, control._TAKEN: 6})
     settled = generator_asks(control)
     # Settled: 5 + 1 batches taken, `ahead - 2` groups ahead; the last new group trains at this version.
     trained_at = 6 + (ahead - 2 + 2 - 1) // 2
-    assert settled == (trained_at - version <= 1)
-    assert not decisions[0] or settled, "admitted half-way a group the settled counters refuse"
+    assert (settled is not None) == (trained_at - version <= 1)
+    assert settled is None or settled == 10 + ahead  # its first ticket: the groups admitted before
+    assert not decisions[0] or settled is not None, "admitted half-way a group the settled counters refuse"
+
+
+def one_group(position: int, version: int) -> RolloutBatch:
+    """A group of 2 samples of the prompt at `position`, sampled by `version`."""
+    rows = 2
+    return RolloutBatch(
+        prompt_ids_BP=torch.full((rows, 1), position),
+        prompt_mask_BP=torch.ones(rows, 1, dtype=torch.int64),
+        completion_ids_BC=torch.ones(rows, 1, dtype=torch.int64),
+        completion_mask_BC=torch.ones(rows, 1, dtype=torch.int64),
+        behavior_logprobs_BC=torch.zeros(rows, 1),
+        rewards_B=torch.zeros(rows),
+        policy_version_B=torch.full((rows,), version),
+        group_size=2,
+        prompt_position_B=torch.full((rows,), position),
+    )
+
+
+@pytest.mark.parametrize("in_admission_order", [True, False])
+def test_a_group_admitted_first_and_finished_last_still_trains_within_the_bound(in_admission_order):
+    """Two generators, one prompt a step, lag bound 1. Generator A is admitted first (prompt 0, version
+    0: trained at version 0), then B (prompt 1: at version 1). B finishes first and is admitted again
+    (prompt 2, version 1: at version 2) and finishes that too before A. Taken in arrival order, A's
+    group would train at version 2 and be dropped as stale; taken in admission order (the tickets) the
+    trainer waits for it and every group trains within the bound."""
+    control = StreamControl(DictStore())
+    buffer = RolloutBuffer(
+        capacity_groups=4, max_policy_lag=1, ticket_of=control.ticket_of if in_admission_order else None
+    )
+
+    def admit(position: int, version: int) -> None:
+        ticket = control.admit(1, version=version, prompts_per_step=1, max_policy_lag=1)
+        assert ticket is not None
+        control.label({position: ticket})
+
+    trained: list[tuple[int, int]] = []  # (prompt, version trained at)
+
+    def take(version: int) -> None:
+        batch = buffer.take(1, current_version=version, timeout_s=10)
+        control.consumed(1)
+        trained.append((int(batch.prompt_position_B[0]), version))
+
+    admit(0, version=0)  # A
+    admit(1, version=0)  # B
+    buffer.put(one_group(1, version=0), timeout_s=10)  # B's first group arrives
+    trainer = threading.Thread(target=take, args=(0,))
+    trainer.start()
+    trainer.join(0.3)
+    if in_admission_order:
+        assert trainer.is_alive(), "took B's group before A's, admitted earlier"
+        buffer.put(one_group(0, version=0), timeout_s=10)  # A's group arrives
+        trainer.join(10)
+        admit(2, version=1)
+        buffer.put(one_group(2, version=1), timeout_s=10)
+        take(1)
+        take(2)
+        assert trained == [(0, 0), (1, 1), (2, 2)] and buffer.counts.dropped_stale == 0
+    else:
+        trainer.join(10)
+        admit(2, version=1)
+        buffer.put(one_group(2, version=1), timeout_s=10)
+        take(1)
+        buffer.put(one_group(0, version=0), timeout_s=10)  # A's group, last
+        buffer.put(one_group(3, version=2), timeout_s=10)
+        take(2)
+        assert trained == [(1, 0), (2, 1), (3, 2)] and buffer.counts.dropped_stale == 1
 
 
 def test_the_buffer_drops_groups_older_than_the_lag_bound_and_counts_them():
@@ -478,6 +562,23 @@ def test_the_buffer_drops_groups_older_than_the_lag_bound_and_counts_them():
     batch = buffer.take(2, current_version=3, timeout_s=1)  # version 0 and 1 are 3 and 2 steps old
     assert batch.policy_version_B.tolist() == [2, 2, 2, 2]
     assert (buffer.counts.dropped_stale, buffer.counts.taken) == (2, 2)
+
+
+@pytest.mark.parametrize("all_flat", [False, True])
+def test_stream_dynamic_sampling_samples_again_under_the_filtered_groups_tickets(all_flat):
+    """Stream mode with dynamic sampling: a filtered group is never sent, so the trainer, taking groups
+    in admission order, waits for its ticket; the generator's next request samples new prompts under
+    that ticket. Even prompts' groups are flat (filtered): only odd ones train. With every prompt flat,
+    after max_sampling_rounds the flat groups are sent after all (under their own tickets)."""
+    events: list[str] = []
+    generator, trainer, link = make_loops(events, max_policy_lag=1, dynamic_sampling=True, max_rounds=2)
+    if all_flat:
+        generator.prompts.order = [2 * i for i in range(100)]
+    _, buffer, _ = run_stream(generator, trainer, link, steps=4, buffer_groups=4)
+    trained = [int(p) for b in trainer.trainer.trained for p in b.prompt_ids_BP[::2, 0]]
+    assert len(trained) == 4 * 2 and buffer.counts.dropped_stale == 0
+    assert all(p % 2 == 0 for p in trained) if all_flat else all(p % 2 == 1 for p in trained), trained
+    assert generator.totals["filtered_total"] >= (0 if all_flat else 4 * 2)  # as many even as odd
 
 
 def test_stream_takes_weights_in_flight_and_stamps_every_token():
@@ -527,6 +628,7 @@ def test_a_stream_checkpoint_is_a_consistent_cut_that_a_resumed_run_continues_wi
     # A slow generator (3 decoding steps of 20 ms): pauses land in the middle of requests.
     generator, trainer, link = make_loops(events, max_policy_lag=1, generator_step_s=0.02)
     cuts: dict[int, dict] = {}
+    control = StreamControl(DictStore())
 
     def on_checkpoint(version: int, buffer: RolloutBuffer | None) -> None:
         cut = cuts.setdefault(version, {})
@@ -535,16 +637,24 @@ def test_a_stream_checkpoint_is_a_consistent_cut_that_a_resumed_run_continues_wi
             cut["prompt_position"] = generator.prompts.position
         else:
             cut["buffer"] = buffer.state()
+            cut["admission"] = control.counts()
             cut["trained"] = [int(p) for b in trainer.trainer.trained for p in b.prompt_ids_BP[::2, 0]]
 
     run_stream(
-        generator, trainer, link, steps=5, buffer_groups=4, checkpoint_every=1, on_checkpoint=on_checkpoint
+        generator,
+        trainer,
+        link,
+        steps=5,
+        buffer_groups=4,
+        checkpoint_every=1,
+        on_checkpoint=on_checkpoint,
+        control=control,
     )
     assert sorted(cuts) == [1, 2, 3, 4, 5]
     paused_mid_request = [v for v, c in cuts.items() if c["generator"]["in_flight"] is not None]
     assert paused_mid_request, "no pause caught the generator in the middle of a request"
     for version, cut in cuts.items():
-        buffered = [int(t["prompt_ids_BP"][0, 0]) for t, _ in cut["buffer"]["groups"]]
+        buffered = [int(t["prompt_ids_BP"][0, 0]) for _, t, _ in cut["buffer"]["groups"]]
         in_hand = list(cut["generator"]["request"] or [])
         if cut["generator"]["undelivered"] is not None:
             in_hand += cut["generator"]["undelivered"][0]["prompt_position_B"][::2].tolist()
@@ -556,16 +666,20 @@ def test_a_stream_checkpoint_is_a_consistent_cut_that_a_resumed_run_continues_wi
             in_hand,
         )
 
-    # Resume from the cut after step 3 with fresh loops, as a restarted run does.
+    # Resume from the cut after step 3 with fresh loops and a fresh store, as a restarted run does.
     cut = cuts[3]
     events2: list[str] = []
     generator2, trainer2, link2 = make_loops(events2, max_policy_lag=1, generator_step_s=0.02)
     generator2.prompts.position = cut["prompt_position"]
     generator2.restore_stream_state(cut["generator"])
     generator2.generator.policy_version = trainer2.trainer.policy_version = 3
-    buffer2 = RolloutBuffer(capacity_groups=4, max_policy_lag=1)
+    control2 = StreamControl(DictStore())
+    control2.restore_counts(cut["admission"])
+    buffer2 = RolloutBuffer(capacity_groups=4, max_policy_lag=1, ticket_of=control2.ticket_of)
     buffer2.restore(cut["buffer"])
-    run_stream(generator2, trainer2, link2, steps=6, buffer_groups=4, buffer=buffer2, first_step=3)
+    run_stream(
+        generator2, trainer2, link2, steps=6, buffer_groups=4, buffer=buffer2, first_step=3, control=control2
+    )
     resumed = [int(p) for b in trainer2.trainer.trained for p in b.prompt_ids_BP[::2, 0]]
     trained = cut["trained"] + resumed
     assert len(trained) == len(set(trained)) == 6 * 2  # steps 1-3 before, 4-6 after: each prompt once

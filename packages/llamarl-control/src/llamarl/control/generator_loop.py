@@ -104,6 +104,10 @@ class GeneratorLoop:
         self.in_flight: InFlightRequest | None = None
         self.undelivered: tuple[RolloutBatch, dict[str, float]] | None = None
         self.requests = 0  # stream requests started
+        # The admission tickets (`StreamControl.admit`) of the groups in hand, by prompt position, and
+        # those of filtered groups kept for the next request.
+        self.tickets: dict[int, int] = {}
+        self.held: list[int] = []
 
     @property
     def policy_version(self) -> int:
@@ -255,6 +259,7 @@ class GeneratorLoop:
         self._syncs_taken = 0
         self._rejoining = False
         self._pauses_served = 0
+        control.label(self.tickets)  # a resumed run's work in hand, into a new store
 
         def take_new_weights() -> None:
             # Every announced sync, one receive each, in order. A generator may be more than one behind:
@@ -314,9 +319,17 @@ class GeneratorLoop:
                     continue
                 if self.undelivered is None:
                     if self.request is None:
-                        if not self._admitted(control, between_requests):
-                            continue
-                        self.request = self.prompts.take_positions(self.prompts.share)
+                        # Tickets of groups dynamic sampling filtered are used again first: the trainer
+                        # takes groups in ticket order, so it waits for them (no new admission needed).
+                        tickets, self.held = self.held, []
+                        if not tickets:
+                            first = self._admitted(control, between_requests)
+                            if first is None:
+                                continue
+                            tickets = list(range(first, first + self.prompts.share))
+                        self.request = self.prompts.take_positions(len(tickets))
+                        self.tickets.update(zip(self.request, tickets, strict=True))
+                        control.label({p: self.tickets[p] for p in self.request})
                         self.tick = self.requests
                         self.requests += 1
                         if self.before_request is not None:
@@ -331,18 +344,22 @@ class GeneratorLoop:
                     if batch is None:  # every group filtered by dynamic sampling
                         starved += 1
                         if starved < self.schedule.max_sampling_rounds:
-                            control.release(len(dropped))  # never sent: room for other groups
+                            self._hold_tickets(dropped)  # never sent: the next request uses them
                             continue
                         # As in lock step: after max_sampling_rounds requests without a single group
                         # with a signal, send flat groups rather than starve the trainer.
                         batch = concat_rollouts(dropped)
                         self.totals["filtered_total"] -= len(dropped)  # sent after all
                     else:
-                        control.release(len(dropped))
+                        self._hold_tickets(dropped)
                     starved = 0
                     self.undelivered = (batch, {**metrics, **self.metrics()})
                 # Time blocked here on a full trainer buffer counts as idle.
                 outbox.put(*self.undelivered, while_waiting=between_requests)
+                for position in self.undelivered[0].prompt_position_B[:: self.undelivered[0].group_size]:
+                    # Labelled in the store, where the trainer reads them. (None: a request restored
+                    # from a checkpoint written before tickets.)
+                    self.tickets.pop(int(position), None)
                 self.undelivered = None
             except StreamStopped:
                 break
@@ -365,22 +382,33 @@ class GeneratorLoop:
         outbox.close(self.metrics())
         return self.requests
 
-    def _admitted(self, control: StreamControl, while_waiting: Callable[[], None]) -> bool:
-        """Waits until admission control lets this generator's next request in (True), serving weights
-        and pauses meanwhile; False when the run stopped. Raises TimeoutError when the trainer took no
-        batch for `weights_timeout_s` while this generator waited."""
+    def _hold_tickets(self, dropped: list[RolloutBatch]) -> None:
+        """Keeps the admission tickets of the groups dynamic sampling dropped for the next request."""
+        for group in dropped:
+            ticket = self.tickets.pop(int(group.prompt_position_B[0]), None)
+            if ticket is not None:  # None: a request restored from a checkpoint written before tickets
+                self.held.append(ticket)
+        self.held.sort()
+
+    def _admitted(self, control: StreamControl, while_waiting: Callable[[], None]) -> int | None:
+        """Waits until admission control lets this generator's next request in, serving weights and
+        pauses meanwhile; returns the first of its groups' tickets, or None when the run stopped.
+        Raises TimeoutError when the trainer took no batch for `weights_timeout_s` while this
+        generator waited."""
         progress, since = control.progress(), time.monotonic()
-        while not control.admit(
-            self.prompts.share,
-            version=self.policy_version,
-            prompts_per_step=self.schedule.prompts_per_step,
-            max_policy_lag=self.schedule.max_policy_lag,
-        ):
+        while (
+            first := control.admit(
+                self.prompts.share,
+                version=self.policy_version,
+                prompts_per_step=self.schedule.prompts_per_step,
+                max_policy_lag=self.schedule.max_policy_lag,
+            )
+        ) is None:
             if control.stopped():
-                return False
+                return None
             while_waiting()
             if self.policy_version < 0:
-                return False  # weights lost meanwhile: the loop waits for them first
+                return None  # weights lost meanwhile: the loop waits for them first
             now = time.monotonic()
             if control.progress() != progress:
                 progress, since = control.progress(), now
@@ -390,7 +418,7 @@ class GeneratorLoop:
                     "waited to start sampling"
                 )
             time.sleep(0.02)
-        return True
+        return first
 
     def stream_state(self) -> dict[str, Any]:
         """Stream mode's work in hand, for a checkpoint taken while paused: the request being sampled
@@ -404,6 +432,8 @@ class GeneratorLoop:
             "in_flight": None if self.in_flight is None else self.in_flight.state(),
             "undelivered": undelivered,
             "requests": self.requests,
+            "tickets": dict(self.tickets),
+            "held": list(self.held),
         }
 
     def restore_stream_state(self, state: dict[str, Any] | None) -> None:
@@ -418,6 +448,8 @@ class GeneratorLoop:
             self.undelivered = (RolloutBatch(group_size=group_size, **tensors), metrics)
         self.requests = state["requests"]
         self.tick = self.requests - 1  # the request in hand, if any, keeps its number
+        self.tickets = {int(p): int(t) for p, t in state.get("tickets", {}).items()}
+        self.held = list(state.get("held", []))
 
     def _replace_engine(self, error: EngineLost, control: StreamControl) -> None:
         """Restarts a dead engine (the trainer keeps its state); the new one gets the current weights."""

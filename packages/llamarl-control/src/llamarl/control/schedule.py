@@ -83,7 +83,8 @@ def stream_admits(
     """Stream mode's admission rule (AReaL's bound on the versions in flight): may a generator holding
     policy `version` start sampling `groups` more groups?
 
-    The trainer takes groups first in, first out, `prompts_per_step` a step, and the batch it takes
+    The trainer takes groups in the order they were admitted (`RolloutBuffer` by admission ticket),
+    `prompts_per_step` a step, and the batch it takes
     next trains at version `taken` (the batches taken so far). Behind `ahead` groups admitted and not
     yet consumed, the last new group trains at `taken + (ahead + groups - 1) // prompts_per_step`; it
     is admitted if that stays within `max_policy_lag` of `version` (the weights of its first token).

@@ -227,8 +227,9 @@ class TrainerSide(Side):
     # stream
 
     def run_stream(self) -> None:
-        """The trainer takes the oldest groups still within max_policy_lag from the buffer the
-        generators fill (first in, first out: no group waits forever), trains, and sends the weights;
+        """The trainer takes groups still within max_policy_lag from the buffer the generators fill
+        (in the order admission control admitted them: no group waits forever), trains, and sends the
+        weights;
         after the steps where an evaluation or a checkpoint is due every rank pauses."""
         cfg = self.config
         steps = cfg.schedule.steps
@@ -260,7 +261,14 @@ class TrainerSide(Side):
             )
             return
         control = StreamControl(self.store)
-        buffer = RolloutBuffer(capacity_groups=cfg.buffer_groups, max_policy_lag=cfg.schedule.max_policy_lag)
+        restored = self._restored_stream
+        # Groups are taken in admission order; a checkpoint written before tickets resumes in arrival order.
+        in_admission_order = restored is None or "next" in restored["buffer"]
+        buffer = RolloutBuffer(
+            capacity_groups=cfg.buffer_groups,
+            max_policy_lag=cfg.schedule.max_policy_lag,
+            ticket_of=control.ticket_of if in_admission_order else None,
+        )
         discarded = [0]
         if self._restored_stream is not None:  # the groups buffered at the checkpoint, and the counters
             buffer.restore(self._restored_stream["buffer"])

@@ -2,7 +2,10 @@
 
 Generators put groups (the samples of one prompt) as they finish them; the trainer takes the next
 batch of groups whose oldest token is at most `max_policy_lag` policy versions behind its own weights.
-Older groups are dropped (and counted) at take time, never trained on. A full buffer blocks `put`:
+Older groups are dropped (and counted) at take time, never trained on. Groups are taken in the order
+of their admission tickets (`ticket_of`, from `StreamControl.admit`), not of arrival: admission
+control's bound assumes that order, and with several generators a group admitted early can arrive
+after later ones. Without `ticket_of` the order is arrival's. A full buffer blocks `put`:
 that back-pressure is what stops a generator that runs ahead of the trainer (admission control,
 `StreamControl.admit`, keeps it from sampling so far ahead in the first place).
 
@@ -17,7 +20,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -44,15 +46,26 @@ class BufferCounts:
 
 
 class RolloutBuffer:
-    """A bounded FIFO of groups between stream generators and the trainer (thread-safe)."""
+    """A bounded queue of groups between stream generators and the trainer (thread-safe), in admission
+    order. `ticket_of` maps a group's prompt position to its admission ticket (None: arrival order)."""
 
-    def __init__(self, *, capacity_groups: int, max_policy_lag: int) -> None:
+    def __init__(
+        self,
+        *,
+        capacity_groups: int,
+        max_policy_lag: int,
+        ticket_of: Callable[[int], int] | None = None,
+    ) -> None:
         if capacity_groups < 1 or max_policy_lag < 0:
             raise ValueError("capacity_groups must be >= 1 and max_policy_lag >= 0")
         self.capacity_groups = capacity_groups
         self.max_policy_lag = max_policy_lag
+        self.ticket_of = ticket_of
         self.counts = BufferCounts()
-        self._groups: deque[RolloutBatch] = deque()
+        self._groups: dict[int, RolloutBatch] = {}  # by ticket
+        self._next = 0  # the ticket taken next (the groups consumed so far)
+        self._arrivals = 0  # the next arrival's ticket when groups carry none
+        self._gone: set[int] = set()  # tickets at or after `_next` of groups dropped as stale
         self._cond = threading.Condition()
         self._closed = False
         self._holding = False  # while the run pauses: puts never wait
@@ -63,16 +76,30 @@ class RolloutBuffer:
 
     def put(self, batch: RolloutBatch, *, timeout_s: float) -> None:
         """Adds every group of `batch` [B = k * G], waiting while the buffer is full."""
-        groups = [
-            batch.select(slice(g * batch.group_size, (g + 1) * batch.group_size))
-            for g in range(batch.num_sequences // batch.group_size)
-        ]
+        G = batch.group_size
+        groups = [batch.select(slice(g * G, (g + 1) * G)) for g in range(batch.num_sequences // G)]
+        # Read outside the lock: the tickets come from the run's key-value store.
+        tickets = (
+            None
+            if self.ticket_of is None
+            else [self.ticket_of(int(group.prompt_position_B[0])) for group in groups]
+        )
         deadline = time.monotonic() + timeout_s
         with self._cond:
-            for group in groups:
-                while len(self._groups) >= self.capacity_groups and not self._holding:
+            for i, group in enumerate(groups):
+                # Only a group that would be taken after all those here waits for room: the trainer
+                # may be waiting for an earlier one, and room would never come.
+                while (
+                    len(self._groups) >= self.capacity_groups
+                    and not self._holding
+                    and (tickets is None or tickets[i] > max(self._groups, default=-1))
+                ):
                     self._wait(deadline, "room in the rollout buffer (the trainer stopped taking)")
-                self._groups.append(group)
+                if tickets is None:
+                    self._groups[self._arrivals] = group
+                    self._arrivals += 1
+                else:
+                    self._groups[tickets[i]] = group
                 self.counts.received += 1
                 self._cond.notify_all()
 
@@ -85,36 +112,48 @@ class RolloutBuffer:
         on_wait: Callable[[], None] | None = None,
         poll_s: float = 0.25,
     ) -> RolloutBatch:
-        """The oldest `num_groups` groups not older than `max_policy_lag` versions, as one batch.
+        """The next `num_groups` groups in ticket order not older than `max_policy_lag` versions, as
+        one batch.
 
-        Waits until that many are there; drops stale groups on the way (counted in `counts`). While
-        waiting, calls `on_wait` every `poll_s` seconds without holding the buffer's lock (the trainer
-        answers a restarted generator's request for weights there). Returns B = num_groups * G rows.
+        Waits until they are there (a group admitted earlier than those here is waited for); drops
+        stale groups on the way (counted in `counts`). While waiting, calls `on_wait` every `poll_s`
+        seconds without holding the buffer's lock (the trainer answers a restarted generator's request
+        for weights there). Returns B = num_groups * G rows.
         """
         deadline = time.monotonic() + timeout_s
-        taken: list[RolloutBatch] = []
+        taken: dict[int, RolloutBatch] = {}  # by ticket
+        first = self._next
         while True:
             with self._cond:
-                while len(taken) < num_groups and self._groups:
-                    group = self._groups.popleft()
+                while len(taken) < num_groups and (self._next in self._groups or self._next in self._gone):
+                    ticket = self._next
+                    self._next += 1
+                    if ticket in self._gone:  # dropped by a take that failed after
+                        self._gone.discard(ticket)
+                        continue
+                    group = self._groups.pop(ticket)
                     self._cond.notify_all()  # room for a waiting put
                     if current_version - int(group.policy_version_B.min()) > self.max_policy_lag:
                         self.counts.dropped_stale += 1
                     else:
-                        taken.append(group)
+                        taken[ticket] = group
                 if len(taken) == num_groups:
                     self.counts.taken += len(taken)
-                    return concat_rollouts(taken)
+                    return concat_rollouts(list(taken.values()))
                 wait_until = deadline if on_wait is None else min(deadline, time.monotonic() + poll_s)
                 try:
-                    self._wait(
-                        deadline, f"{num_groups - len(taken)} more groups from the generators", wait_until
-                    )
+                    what = f"{num_groups - len(taken)} more groups from the generators"
+                    if self.ticket_of is not None:
+                        what += f" (the next one admitted: ticket {self._next})"
+                    self._wait(deadline, what, wait_until)
                 except (BufferTimeout, BufferClosed):
-                    # Nothing is lost by a take that fails: the groups it holds go back in front, in
-                    # order. (Decided here, where the wait failed: a clock read before it may still be
-                    # short of the deadline that the wait's own reading has passed.)
-                    self._groups.extendleft(reversed(taken))
+                    # Nothing is lost by a take that fails: the groups it holds go back and the next
+                    # take starts where this one did; a stale group it dropped stays dropped. (Decided
+                    # here, where the wait failed: a clock read before it may still be short of the
+                    # deadline that the wait's own reading has passed.)
+                    self._gone.update(t for t in range(first, self._next) if t not in taken)
+                    self._groups.update(taken)
+                    self._next = first
                     raise
             if on_wait is not None:
                 on_wait()
@@ -158,20 +197,31 @@ class RolloutBuffer:
                 on_wait()
 
     def state(self) -> dict:
-        """What a checkpoint keeps: every buffered group's tensors, in order, and the counts."""
+        """What a checkpoint keeps: every buffered group's tensors with its ticket, in ticket order, the
+        next ticket to take, and the counts."""
         with self._cond:
             return {
-                "groups": [(g.tensors(), g.group_size) for g in self._groups],
+                "groups": [(t, g.tensors(), g.group_size) for t, g in sorted(self._groups.items())],
+                "next": self._next,
+                "arrivals": self._arrivals,
+                "gone": sorted(self._gone),
                 "counts": vars(self.counts).copy(),
             }
 
     def restore(self, state: dict) -> None:
         """Puts back a checkpoint's groups and counts (before anything else is put)."""
         with self._cond:
-            self._groups = deque(
-                RolloutBatch(group_size=group_size, **tensors) for tensors, group_size in state["groups"]
-            )
             self.counts = BufferCounts(**state["counts"])
+            entries = state["groups"]
+            if "next" not in state:  # a checkpoint from before tickets: its groups in arrival order
+                consumed = self.counts.taken + self.counts.dropped_stale
+                entries = [(consumed + i, *entry) for i, entry in enumerate(entries)]
+            self._groups = {
+                t: RolloutBatch(group_size=group_size, **tensors) for t, tensors, group_size in entries
+            }
+            self._next = state.get("next", self.counts.taken + self.counts.dropped_stale)
+            self._arrivals = state.get("arrivals", self._next + len(self._groups))
+            self._gone = set(state.get("gone", ()))
 
     def close(self) -> None:
         """Wakes every waiter with BufferClosed; later puts and takes fail at once."""

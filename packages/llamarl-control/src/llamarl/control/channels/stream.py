@@ -5,7 +5,8 @@ the next ones, and every rank reads the run's few shared counters from the launc
   the weights again (a replaced engine, a failed sync), pauses (a checkpoint, an evaluation), and
   admission control: the groups started, taken and trained, so that a generator never starts sampling
   a group that would be too stale to train on by the time the trainer takes it (as AReaL bounds the
-  versions in flight). Cheap reads, polled between decoding steps.
+  versions in flight), and each group's admission ticket: the trainer takes groups in the order they
+  were admitted, which is what the bound assumes. Cheap reads, polled between decoding steps.
 - `RolloutOutbox`: a generator's sending side; a thread sends while the generator samples on, and a
   full trainer buffer holds the generator back (back-pressure) while it can still take new weights.
   Before a checkpoint it sends a marker after what it queued (`mark`).
@@ -21,6 +22,7 @@ import json
 import queue
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol
@@ -44,6 +46,10 @@ class KeyValueStore(Protocol):
 
     def add(self, key: str, amount: int) -> int: ...
 
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes: ...
+
+    def delete_key(self, key: str) -> bool: ...
+
 
 @dataclass(frozen=True)
 class Pause:
@@ -66,9 +72,10 @@ class StreamControl:
     _STOP = "stream/stop"
     _WANTED = "stream/weights_wanted"
     _PAUSES = "stream/pauses"
-    _ADMITTED = "stream/groups_admitted"  # groups generators started (and will send), cumulative
+    _ADMITTED = "stream/groups_admitted"  # "<tickets issued> <nonce>": groups admitted, cumulative
     _CONSUMED = "stream/groups_consumed"  # groups the trainer took or dropped as stale, cumulative
     _TAKEN = "stream/batches_taken"  # batches the trainer took: the version the next one trains at
+    _TICKET = "stream/ticket"  # + "/<prompt position>": the admission ticket of that prompt's group
 
     def __init__(self, store: KeyValueStore) -> None:
         self.store = store
@@ -115,36 +122,67 @@ class StreamControl:
 
     def restore_counts(self, counts: dict[str, int]) -> None:
         """Trainer, on resume: the admission counters as a checkpoint saved them (`counts()`)."""
-        for key in (self._ADMITTED, self._CONSUMED, self._TAKEN):
+        self.store.set(self._ADMITTED, f"{int(counts[self._ADMITTED])} restored")
+        for key in (self._CONSUMED, self._TAKEN):
             self.store.add(key, int(counts[key]) - self.store.add(key, 0))
 
     def counts(self) -> dict[str, int]:
         """The admission counters (for a checkpoint: every generator is paused, so they hold still)."""
-        return {key: self.store.add(key, 0) for key in (self._ADMITTED, self._CONSUMED, self._TAKEN)}
+        return {
+            self._ADMITTED: self._admitted()[0],
+            **{key: self.store.add(key, 0) for key in (self._CONSUMED, self._TAKEN)},
+        }
 
-    def admit(self, groups: int, *, version: int, prompts_per_step: int, max_policy_lag: int) -> bool:
+    def _admitted(self) -> tuple[int, str]:
+        """(groups admitted so far, the key's value as stored: "" while there is none)."""
+        if not self.store.check([self._ADMITTED]):
+            return 0, ""
+        raw = self.store.get(self._ADMITTED).decode()
+        return int(raw.split()[0]), raw
+
+    def admit(self, groups: int, *, version: int, prompts_per_step: int, max_policy_lag: int) -> int | None:
         """Generator: reserves `groups` new groups if the last of them would still be trained within
-        `max_policy_lag` of `version` (the weights that would sample its first token); False (and
-        nothing reserved) if not yet. The rule: `llamarl.control.schedule.stream_admits`."""
-        admitted = self.store.add(self._ADMITTED, groups)
-        # Groups consumed before batches taken: the reverse of `consumed`'s writes (see there).
-        ahead = admitted - groups - self.store.add(self._CONSUMED, 0)
-        taken = self.store.add(self._TAKEN, 0)
-        if stream_admits(
-            taken=taken,
-            ahead=ahead,
-            groups=groups,
-            version=version,
-            prompts_per_step=prompts_per_step,
-            max_policy_lag=max_policy_lag,
-        ):
-            return True
-        self.store.add(self._ADMITTED, -groups)
-        return False
+        `max_policy_lag` of `version` (the weights that would sample its first token); None (and
+        nothing reserved) if not yet. The rule: `llamarl.control.schedule.stream_admits`.
 
-    def release(self, groups: int) -> None:
-        """Generator: `groups` admitted groups will never be sent (dynamic sampling filtered them)."""
-        self.store.add(self._ADMITTED, -groups)
+        Returns the first of the groups' admission tickets (they are consecutive). Tickets number the
+        groups in the order they were admitted, which is the order the trainer takes them in
+        (`RolloutBuffer` with `ticket_of`): the rule's promise holds however the generators' groups
+        arrive (a group admitted early and finished late would otherwise be overtaken by later ones
+        and could go stale: two generators after a restart did that).
+        """
+        while True:
+            admitted, raw = self._admitted()
+            # Groups consumed before batches taken: the reverse of `consumed`'s writes (see there).
+            ahead = admitted - self.store.add(self._CONSUMED, 0)
+            taken = self.store.add(self._TAKEN, 0)
+            if not stream_admits(
+                taken=taken,
+                ahead=ahead,
+                groups=groups,
+                version=version,
+                prompts_per_step=prompts_per_step,
+                max_policy_lag=max_policy_lag,
+            ):
+                return None
+            # Reserved only if no other generator was admitted since the read (else read again): the
+            # nonce makes this generator's value its own, so a swap is never mistaken for another's.
+            wanted = f"{admitted + groups} {uuid.uuid4().hex}"
+            if self.store.compare_set(self._ADMITTED, raw, wanted) == wanted.encode():
+                return admitted
+
+    def label(self, tickets: dict[int, int]) -> None:
+        """Generator: the admission ticket of each prompt position's group, for the trainer to read
+        when the group arrives (`ticket_of`). Set before the group is sent."""
+        for position, ticket in tickets.items():
+            self.store.set(f"{self._TICKET}/{position}", str(ticket))
+
+    def ticket_of(self, position: int) -> int:
+        """Trainer: the admission ticket of the group of `position` (its label is then removed)."""
+        key = f"{self._TICKET}/{position}"
+        ticket = int(self.store.get(key))
+        self.store.delete_key(key)
+        return ticket
 
     def consumed(self, groups: int) -> None:
         """Trainer: took a batch; `groups` groups left the buffer for it (taken or dropped as stale)."""
