@@ -188,8 +188,8 @@ def test_engine_reports_a_deadlock() -> None:
         sim.run()
 
 
-def _group(version: int) -> RolloutBatch:
-    """One group of two one-token samples sampled by `version`."""
+def _group(version: int, ticket: int) -> RolloutBatch:
+    """One group of two one-token samples sampled by `version`; its prompt position is its ticket."""
     ones = torch.ones(2, 1, dtype=torch.int64)
     return RolloutBatch(
         prompt_ids_BP=ones,
@@ -200,23 +200,43 @@ def _group(version: int) -> RolloutBatch:
         rewards_B=torch.zeros(2),
         policy_version_B=torch.full((2,), version, dtype=torch.int64),
         group_size=2,
+        prompt_position_B=torch.full((2,), ticket, dtype=torch.int64),
     )
 
 
-@pytest.mark.parametrize("gen,train,lag", [(1.0, 10.0, 1), (1.0, 10.0, 2), (3.0, 2.0, 1), (2.0, 5.0, 0)])
-def test_stream_buffer_matches_the_controllers_rollout_buffer(gen: float, train: float, lag: int) -> None:
+@pytest.mark.parametrize(
+    "gen,train,lag,admission,generators",
+    [
+        (1.0, 10.0, 1, False, 1),
+        (1.0, 10.0, 2, False, 1),
+        (3.0, 2.0, 1, False, 1),
+        (2.0, 5.0, 0, False, 1),
+        (3.0, 2.0, 1, True, 2),
+        (2.0, 5.0, 0, True, 3),
+    ],
+)
+def test_stream_buffer_matches_the_controllers_rollout_buffer(
+    gen: float, train: float, lag: int, admission: bool, generators: int
+) -> None:
     # Replays the simulated puts into llamarl.control.channels.buffer.RolloutBuffer: every take gets the same
-    # groups (oldest first, within the staleness bound) and drops the same stale ones (without
-    # admission control, so that some go stale).
+    # groups (in ticket order, within the staleness bound) and drops the same stale ones (without
+    # admission control some go stale, in arrival order; with it groups go in admission order).
     settings = StreamSettings(
-        groups_per_step=4, groups_per_request=2, buffer_groups=8, max_policy_lag=lag, admission=False
+        groups_per_step=4, groups_per_request=2, buffer_groups=8, max_policy_lag=lag, admission=admission
     )
-    result = simulate_stream(8, ConstantCosts(generate=gen, train=train, weight_sync=0.5), settings)
-    buffer = RolloutBuffer(capacity_groups=10_000, max_policy_lag=lag)
+    placement = Placement(generators=generators)
+    result = simulate_stream(
+        8, ConstantCosts(generate=gen, train=train, weight_sync=0.5), settings, placement
+    )
+    buffer = RolloutBuffer(
+        capacity_groups=10_000,
+        max_policy_lag=lag,
+        ticket_of=(lambda position: position) if admission else None,
+    )
     takes = 0
     for op in result.buffer_ops:
         if op[0] == "put":
-            buffer.put(_group(op[1]), timeout_s=1)
+            buffer.put(_group(op[2], op[1]), timeout_s=1)
             continue
         _, version, taken, dropped = op
         before = buffer.counts.dropped_stale
@@ -224,4 +244,6 @@ def test_stream_buffer_matches_the_controllers_rollout_buffer(gen: float, train:
         assert batch.policy_version_B[::2].tolist() == list(taken)
         assert buffer.counts.dropped_stale - before == dropped
         takes += 1
+    if admission:
+        assert result.dropped_stale == 0
     assert takes == 8

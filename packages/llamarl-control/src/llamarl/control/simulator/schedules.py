@@ -223,8 +223,11 @@ def simulate_stream(
     placement = placement or Placement()
     everyone = placement.actors
     sim = Simulation(placement.pool_cores)
-    buffer: deque[int] = deque()  # policy version of each buffered group (the oldest token's)
-    outbox: dict[int, deque[list[int]]] = {g: deque() for g in range(placement.generators)}
+    # The policy version of each buffered group (its oldest token's), by its ticket: the order the
+    # trainer takes groups in (admission's order, as `RolloutBuffer` with `ticket_of`; without
+    # admission control, arrival's).
+    buffer: dict[int, int] = {}
+    outbox: dict[int, deque[list[tuple[int, int]]]] = {g: deque() for g in range(placement.generators)}
     # Admission control's counters, as `StreamControl` keeps them: groups admitted, groups consumed
     # (taken or dropped), batches taken.
     state = {
@@ -235,6 +238,8 @@ def simulate_stream(
         "admitted": 0,
         "consumed": 0,
         "taken": 0,
+        "arrivals": 0,  # tickets without admission control
+        "next": 0,  # the ticket the trainer takes next
     }
     announced_version: dict[int, int] = {}
     lags: list[list[int]] = []
@@ -277,6 +282,7 @@ def simulate_stream(
                     )
                 )
                 continue
+            first_ticket = state["admitted"]
             state["admitted"] += settings.groups_per_request
             first_version = mine["version"]
             poll: Callable[[], Join | None] | None = take_weights if settings.in_flight else None
@@ -296,7 +302,7 @@ def simulate_stream(
                 join = take_weights()
                 if join is not None:
                     yield join
-            outbox[g].append([first_version] * settings.groups_per_request)
+            outbox[g].append([(first_ticket + i, first_version) for i in range(settings.groups_per_request)])
 
     def drain(g: int) -> Process:
         """The trainer-side thread that moves generator g's batches into the buffer, group by group."""
@@ -305,12 +311,22 @@ def simulate_stream(
             if state["stopped"]:
                 return
             yield Work("move_rollouts", costs.move_s(), None, 0.0)
-            for group_version in outbox[g][0]:
-                yield WaitUntil(lambda: len(buffer) < settings.capacity or state["stopped"])
+            for admitted_ticket, group_version in outbox[g][0]:
+                # A group admitted before those buffered never waits for room (the trainer may be
+                # waiting for it), as in `RolloutBuffer.put`.
+                yield WaitUntil(
+                    lambda t=admitted_ticket: (
+                        len(buffer) < settings.capacity
+                        or (settings.admission and t < max(buffer, default=-1))
+                        or state["stopped"]
+                    )
+                )
                 if state["stopped"]:
                     return
-                buffer.append(group_version)
-                buffer_ops.append(("put", group_version))
+                ticket = admitted_ticket if settings.admission else state["arrivals"]
+                state["arrivals"] += 1
+                buffer[ticket] = group_version
+                buffer_ops.append(("put", ticket, group_version))
             outbox[g].popleft()
 
     def trainer() -> Process:
@@ -318,9 +334,10 @@ def simulate_stream(
             taken: list[int] = []
             dropped = 0
             while len(taken) < settings.groups_per_step:
-                yield WaitUntil(lambda: bool(buffer), "rollouts", step)
-                while buffer and len(taken) < settings.groups_per_step:
-                    version = buffer.popleft()
+                yield WaitUntil(lambda: state["next"] in buffer, "rollouts", step)
+                while state["next"] in buffer and len(taken) < settings.groups_per_step:
+                    version = buffer.pop(state["next"])
+                    state["next"] += 1
                     if state["version"] - version > settings.max_policy_lag:
                         dropped += 1
                     else:
