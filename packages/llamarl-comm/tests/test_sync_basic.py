@@ -410,15 +410,16 @@ def _mid_sync_fault_worker(rank: int, world_size: int, rdv, transport: str, faul
 
 
 @pytest.mark.parametrize("fault", ["freeze", "freeze-in-transfer", "raise"])
-def test_a_fault_mid_sync_ends_the_nccl_sync_of_every_member_in_seconds(fault: str) -> None:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_fault_mid_sync_ends_the_sync_of_every_member_in_seconds(transport: str, fault: str) -> None:
     """Rank 1, in the middle of the chain 0 -> 1 -> 2, freezes or raises at its first receive, or
-    freezes as the bytes flow. NCCL never fails a transfer whose peer hangs or died, and a failed
-    member leaves its peers' transfers waiting. Frozen: ranks 0 and 2 end their waits on it, for a
-    message in the store or a transfer, once its heartbeat has stood still for dead_after_s (1 s).
-    Raised: rank 1 abandons the group's generation, and rank 0, waiting for rank 1 to say it is ready,
-    ends at its next look at the store (every 0.2 s). None waits out the 30 s deadline. (gloo's
-    transfers keep their deadline: see `WeightSyncGroup`.)"""
-    sender, exitcode, tail = run_distributed(_mid_sync_fault_worker, 3, "nccl-rules", fault, timeout_s=90)
+    freezes as the bytes flow. NCCL never fails a transfer whose peer hangs or died, gloo only once the
+    peer's socket closes (never for a frozen process), and a failed member leaves its peers' transfers
+    waiting. Frozen: ranks 0 and 2 end their waits on it, for a message in the store or a transfer,
+    once its heartbeat has stood still for dead_after_s (1 s). Raised: rank 1 abandons the group's
+    generation, and rank 0, waiting for rank 1 to say it is ready, ends at its next look at the store
+    (every 0.2 s). None waits out the 30 s deadline."""
+    sender, exitcode, tail = run_distributed(_mid_sync_fault_worker, 3, transport, fault, timeout_s=90)
     assert exitcode == -signal.SIGKILL  # still frozen, or alive, when the others were done
     for rank, result in ((0, sender), (2, tail)):
         assert result is not None, f"rank {rank} finished a sync that rank 1 never took part in"

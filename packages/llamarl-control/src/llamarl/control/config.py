@@ -149,8 +149,7 @@ class WeightSyncConfig(ConfigSection):
     """bucket size of a transfer, MiB"""
     timeout_s: float = Field(600.0, gt=0)
     """deadline (s) of each step of a sync (forming the group, every bucket), capped by launch.timeout_s;
-    a receiver that died between syncs (or, on NCCL, mid-transfer) fails a sync sooner (dead_after_s);
-    on gloo, lower this where engines may hang mid-transfer"""
+    a receiver that died or hung, between syncs or mid-transfer, fails a sync sooner (dead_after_s)"""
     dead_after_s: float = Field(10.0, ge=2.0)
     """a member whose heartbeat (one beat a second) has stood still this long (s, at least two beats)
     is gone: a sync waiting for it fails then, whatever timeout_s (the trainer's on a generator, a
