@@ -5,9 +5,9 @@ batch of groups whose oldest token is at most `max_policy_lag` policy versions b
 Older groups are dropped (and counted) at take time, never trained on. Groups are taken in the order
 of their admission tickets (`ticket_of`, from `StreamControl.admit`), not of arrival: admission
 control's bound assumes that order, and with several generators a group admitted early can arrive
-after later ones. Without `ticket_of` the order is arrival's. A full buffer blocks `put`:
-that back-pressure is what stops a generator that runs ahead of the trainer (admission control,
-`StreamControl.admit`, keeps it from sampling so far ahead in the first place).
+after later ones. Without `ticket_of` the order is arrival's. A full buffer blocks `put` while the
+trainer can take from it: that back-pressure is what stops a generator that runs ahead of the trainer
+(admission control, `StreamControl.admit`, keeps it from sampling so far ahead in the first place).
 
 While the run pauses (a checkpoint, an evaluation) the buffer `hold`s everything that arrives, full or
 not, so no sender waits on a trainer that is not taking; a checkpoint saves its groups (`state`) once
@@ -87,12 +87,14 @@ class RolloutBuffer:
         deadline = time.monotonic() + timeout_s
         with self._cond:
             for i, group in enumerate(groups):
-                # Only a group that would be taken after all those here waits for room: the trainer
-                # may be waiting for an earlier one, and room would never come.
+                # A full buffer holds a put back only while the trainer can take from it: when the
+                # group it takes next has not arrived, room would never come (it may be this one, or
+                # come from a generator whose send waits behind this one). Admission control bounds the
+                # groups in flight, so the buffer still cannot grow without bound.
                 while (
                     len(self._groups) >= self.capacity_groups
                     and not self._holding
-                    and (tickets is None or tickets[i] > max(self._groups, default=-1))
+                    and (self._next in self._groups or self._next in self._gone)
                 ):
                     self._wait(deadline, "room in the rollout buffer (the trainer stopped taking)")
                 if tickets is None:

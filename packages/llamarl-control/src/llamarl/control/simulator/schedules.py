@@ -312,14 +312,10 @@ def simulate_stream(
                 return
             yield Work("move_rollouts", costs.move_s(), None, 0.0)
             for admitted_ticket, group_version in outbox[g][0]:
-                # A group admitted before those buffered never waits for room (the trainer may be
-                # waiting for it), as in `RolloutBuffer.put`.
+                # A full buffer holds a group back only while the trainer can take from it, as in
+                # `RolloutBuffer.put` (without admission control the group taken next is always there).
                 yield WaitUntil(
-                    lambda t=admitted_ticket: (
-                        len(buffer) < settings.capacity
-                        or (settings.admission and t < max(buffer, default=-1))
-                        or state["stopped"]
-                    )
+                    lambda: len(buffer) < settings.capacity or state["next"] not in buffer or state["stopped"]
                 )
                 if state["stopped"]:
                     return
