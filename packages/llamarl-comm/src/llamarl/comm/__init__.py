@@ -32,9 +32,10 @@ from llamarl.comm.layouts import (
 from llamarl.comm.plan import PlanError, TransferPlan, make_plan
 from llamarl.comm.receiver import LoadFn, WeightReceiver
 from llamarl.comm.sender import WeightSender
-from llamarl.comm.transport import WeightSyncError, WeightSyncGroup, free_port
+from llamarl.comm.transport import DEAD_AFTER_S, WeightSyncError, WeightSyncGroup, free_port
 
 __all__ = [
+    "DEAD_AFTER_S",
     "DestLayout",
     "DestTensor",
     "LoadFn",

@@ -63,6 +63,11 @@ _CLOSING_KEY = "heartbeat/closing"  # set by rank 0 when it closes: the store go
 _STOPPED_KEY = "heartbeat/stopped"  # /<rank>: that member's heartbeat stopped
 
 
+# Seconds a member's heartbeat may stand still before it counts as gone: the default of every group,
+# and of the settings that reach one (`dead_after_s` of the generators and of llamarl's run config).
+DEAD_AFTER_S = 10.0
+
+
 def _td(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
@@ -104,7 +109,7 @@ class WeightSyncGroup:
         prefix: str = "llamarl-wsync",
         process_group_factory: ProcessGroupFactory | None = None,
         heartbeat_s: float = 1.0,
-        dead_after_s: float = 10.0,
+        dead_after_s: float = DEAD_AFTER_S,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside a group of world_size {world_size}")

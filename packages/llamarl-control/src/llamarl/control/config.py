@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
+from llamarl.comm.transport import DEAD_AFTER_S
 from llamarl.exec.config import (
     AlgorithmConfig,
     ConfigSection,
@@ -150,7 +151,7 @@ class WeightSyncConfig(ConfigSection):
     timeout_s: float = Field(600.0, gt=0)
     """deadline (s) of each step of a sync (forming the group, every bucket), capped by launch.timeout_s;
     a receiver that died or hung, between syncs or mid-transfer, fails a sync sooner (dead_after_s)"""
-    dead_after_s: float = Field(10.0, ge=2.0)
+    dead_after_s: float = Field(DEAD_AFTER_S, ge=2.0)
     """a member whose heartbeat (one beat a second) has stood still this long (s, at least two beats)
     is gone: a sync waiting for it fails then, whatever timeout_s (the trainer's on a generator, a
     generator's on the trainer)"""

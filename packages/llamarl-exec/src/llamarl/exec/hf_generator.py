@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from llamarl.comm import WeightReceiver, WeightSyncGroup
+from llamarl.comm import DEAD_AFTER_S, WeightReceiver, WeightSyncGroup
 from llamarl.exec.config import LoraConfig, SamplingConfig
 from llamarl.exec.episodes import BatchTurnSession
 from llamarl.exec.lora import adapter_tensors, add_lora
@@ -191,7 +191,7 @@ class HFGenerator:
         rank: int,
         world_size: int,
         timeout_s: float,
-        dead_after_s: float = 10.0,
+        dead_after_s: float = DEAD_AFTER_S,
         src_rank: int = 0,
         backend: str = "gloo",
     ) -> None:

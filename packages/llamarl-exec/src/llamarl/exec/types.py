@@ -15,6 +15,8 @@ from typing import Protocol
 
 import torch
 
+from llamarl.comm.transport import DEAD_AFTER_S
+
 
 @dataclass(kw_only=True)
 class RolloutBatch:
@@ -166,7 +168,7 @@ class Generator(Protocol):
         rank: int,
         world_size: int,
         timeout_s: float,
-        dead_after_s: float = 10.0,
+        dead_after_s: float = DEAD_AFTER_S,
         src_rank: int = 0,
         backend: str = "gloo",
     ) -> int | None:

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from llamarl.comm.layouts import dtype_from_str
+from llamarl.comm.transport import DEAD_AFTER_S
 from llamarl.exec.config import GeneratorConfig, SamplingConfig
 from llamarl.exec.padding import completion_mask, left_pad, right_pad
 from llamarl.exec.types import GenerationPaused, RolloutBatch, TurnOutput
@@ -249,7 +250,7 @@ class VLLMGenerator:
         rank: int,
         world_size: int,
         timeout_s: float,
-        dead_after_s: float = 10.0,
+        dead_after_s: float = DEAD_AFTER_S,
         src_rank: int = 0,
         backend: str = "gloo",
     ) -> int:

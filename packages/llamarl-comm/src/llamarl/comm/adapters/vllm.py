@@ -82,6 +82,8 @@ from typing import Any
 
 import torch
 
+from llamarl.comm.transport import DEAD_AFTER_S
+
 __all__ = [
     "INITIAL_POLICY_VERSION",
     "WORKER_EXTENSION_CLS",
@@ -202,7 +204,7 @@ class WeightSyncWorkerExtension:
         src_rank: int = 0,
         backend: str | None = None,
         colocated: bool = False,
-        dead_after_s: float = 10.0,
+        dead_after_s: float = DEAD_AFTER_S,
     ) -> int:
         """Join the weight-sync group hosted by the trainer (rank `src_rank` hosts the store).
 
