@@ -488,18 +488,9 @@ def test_admission_read_in_the_middle_of_a_take_never_admits_a_group_that_would_
 
 def one_group(position: int, version: int) -> RolloutBatch:
     """A group of 2 samples of the prompt at `position`, sampled by `version`."""
-    rows = 2
-    return RolloutBatch(
-        prompt_ids_BP=torch.full((rows, 1), position),
-        prompt_mask_BP=torch.ones(rows, 1, dtype=torch.int64),
-        completion_ids_BC=torch.ones(rows, 1, dtype=torch.int64),
-        completion_mask_BC=torch.ones(rows, 1, dtype=torch.int64),
-        behavior_logprobs_BC=torch.zeros(rows, 1),
-        rewards_B=torch.zeros(rows),
-        policy_version_B=torch.full((rows,), version),
-        group_size=2,
-        prompt_position_B=torch.full((rows,), position),
-    )
+    group = FakeGenerator._batch([[position]], 2, [version])
+    group.prompt_position_B = torch.full((2,), position)
+    return group
 
 
 @pytest.mark.parametrize("in_admission_order", [True, False])

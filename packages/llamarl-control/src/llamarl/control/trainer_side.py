@@ -229,8 +229,7 @@ class TrainerSide(Side):
     def run_stream(self) -> None:
         """The trainer takes groups still within max_policy_lag from the buffer the generators fill
         (in the order admission control admitted them: no group waits forever), trains, and sends the
-        weights;
-        after the steps where an evaluation or a checkpoint is due every rank pauses."""
+        weights; after the steps where an evaluation or a checkpoint is due every rank pauses."""
         cfg = self.config
         steps = cfg.schedule.steps
 
@@ -270,10 +269,10 @@ class TrainerSide(Side):
             ticket_of=control.ticket_of if in_admission_order else None,
         )
         discarded = [0]
-        if self._restored_stream is not None:  # the groups buffered at the checkpoint, and the counters
-            buffer.restore(self._restored_stream["buffer"])
-            control.restore_counts(self._restored_stream["admission"])
-            discarded[0] = self._restored_stream["discarded"]
+        if restored is not None:  # the groups buffered at the checkpoint, and the counters
+            buffer.restore(restored["buffer"])
+            control.restore_counts(restored["admission"])
+            discarded[0] = restored["discarded"]
         self._stream = (buffer, control, discarded)
         dist.barrier()  # generators admit requests only once the counters are set
         errors: list[BaseException] = []

@@ -91,11 +91,7 @@ class RolloutBuffer:
                 # group it takes next has not arrived, room would never come (it may be this one, or
                 # come from a generator whose send waits behind this one). Admission control bounds the
                 # groups in flight, so the buffer still cannot grow without bound.
-                while (
-                    len(self._groups) >= self.capacity_groups
-                    and not self._holding
-                    and (self._next in self._groups or self._next in self._gone)
-                ):
+                while len(self._groups) >= self.capacity_groups and not self._holding and self._takeable():
                     self._wait(deadline, "room in the rollout buffer (the trainer stopped taking)")
                 if tickets is None:
                     self._groups[self._arrivals] = group
@@ -127,7 +123,7 @@ class RolloutBuffer:
         first = self._next
         while True:
             with self._cond:
-                while len(taken) < num_groups and (self._next in self._groups or self._next in self._gone):
+                while len(taken) < num_groups and self._takeable():
                     ticket = self._next
                     self._next += 1
                     if ticket in self._gone:  # dropped by a take that failed after
@@ -159,6 +155,10 @@ class RolloutBuffer:
                     raise
             if on_wait is not None:
                 on_wait()
+
+    def _takeable(self) -> bool:
+        """Whether the ticket taken next is here (or was dropped already): a take can go on."""
+        return self._next in self._groups or self._next in self._gone
 
     def hold(self, holding: bool) -> None:
         """While `holding`, puts never wait for room (the trainer is paused: a checkpoint or an

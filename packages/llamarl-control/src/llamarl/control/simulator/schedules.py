@@ -319,8 +319,9 @@ def simulate_stream(
                 )
                 if state["stopped"]:
                     return
-                ticket = admitted_ticket if settings.admission else state["arrivals"]
-                state["arrivals"] += 1
+                ticket = admitted_ticket
+                if not settings.admission:  # arrival order
+                    ticket, state["arrivals"] = state["arrivals"], state["arrivals"] + 1
                 buffer[ticket] = group_version
                 buffer_ops.append(("put", ticket, group_version))
             outbox[g].popleft()
