@@ -96,6 +96,8 @@ def _sync_worker(rank: int, world_size: int, rdv, model_dir: str, batch, lora_ra
     )
     dead_after_s = generator._weights.group.dead_after_s
     for _ in range(NUM_STEPS):
+        # Sampling between syncs, as a run does: the packed copies of the old weights must not survive.
+        generator.generate([[1, 2, 3]], samples_per_prompt=1, max_new_tokens=2)
         version = generator.receive_weights(60)
     # What the generator's model now computes, scored by a trainer forward (padded rows, as the trainer
     # scored its own) on the generator's module.

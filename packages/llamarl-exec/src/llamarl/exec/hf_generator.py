@@ -25,6 +25,7 @@ from llamarl.exec.config import LoraConfig, SamplingConfig
 from llamarl.exec.episodes import BatchTurnSession
 from llamarl.exec.lora import adapter_tensors, add_lora
 from llamarl.exec.models import load_model_and_tokenizer, resolve_dtype
+from llamarl.exec.packed_linear import pack_linear_layers, weights_changed
 from llamarl.exec.padding import completion_mask, left_pad
 from llamarl.exec.types import GenerationPaused, PauseGeneration, RolloutBatch
 
@@ -157,6 +158,8 @@ class HFGenerator:
             add_lora(self.model, self.lora, dtype=resolve_dtype(self.dtype))
         self.model.eval()
         self.model.requires_grad_(False)  # never trained here; lets weight sync copy without autograd
+        # Decoding multiplies a few rows by every weight at every step: packed once, not per call.
+        pack_linear_layers(self.model)
         eos = self._eos_token_ids
         if eos is None:
             eos = self.model.generation_config.eos_token_id
@@ -225,7 +228,10 @@ class HFGenerator:
         if self._weights is None:
             raise RuntimeError("HFGenerator.receive_weights called before connect_weight_sync()")
         self.policy_version = None
-        self.policy_version = self._weights.receive(timeout_s)
+        try:
+            self.policy_version = self._weights.receive(timeout_s)
+        finally:  # (written through `.data`, which the packed layers cannot see; also a partial write)
+            weights_changed(self.model)
         return self.policy_version
 
     def restart_engine(self) -> None:
