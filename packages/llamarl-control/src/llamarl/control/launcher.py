@@ -156,6 +156,7 @@ def launch(
     try:
         with (
             _ranks_log_cpp_errors_only(),
+            _ranks_keep_freed_memory(),
             _rank_fork_server(),
             _fresh_store_per_formation(),
             MemoryWatch() as memory,
@@ -272,6 +273,25 @@ def _ranks_log_cpp_errors_only() -> Iterator[None]:
     one that says which rank died and why. So the ranks' C++ logs show errors only, unless the user
     set TORCH_CPP_LOG_LEVEL. Torch reads it once, when imported: it is set before the ranks start."""
     with _environ("TORCH_CPP_LOG_LEVEL", "ERROR", unless_set=True):
+        yield
+
+
+@contextlib.contextmanager
+def _ranks_keep_freed_memory() -> Iterator[None]:
+    """Has glibc's malloc in the ranks keep the memory they free for their next allocations instead of
+    handing it back to the kernel, unless the user set these variables.
+
+    A training step allocates and frees tensors of megabytes by the thousand (activations, gradients,
+    chunks of logits). By default glibc maps each large one afresh and unmaps it when freed, so the
+    kernel faults in and zero-fills every page again: about 400k page faults (1.6 GB zeroed) per
+    SmolLM2-135M step here, which also takes memory bandwidth from the generator decoding beside it.
+    Measured (async GSM8K bench, bf16): 134 -> 147 tokens/s, train 10.9 -> 9.3 s; the price is memory
+    a rank holds between its peaks: the trainer's peak 3.8 -> 4.2 GB. glibc reads them at process
+    start: the fork server the ranks come from starts after this."""
+    with (
+        _environ("MALLOC_MMAP_THRESHOLD_", str(4 << 30), unless_set=True),
+        _environ("MALLOC_TRIM_THRESHOLD_", str(64 << 30), unless_set=True),
+    ):
         yield
 
 
