@@ -166,15 +166,30 @@ def test_weights_loaded_between_decoding_steps_take_effect_and_stamp_every_token
 
 def test_draw_tokens_follows_the_distribution():
     """10 000 draws from [0.5, 0, 0.3, 0.2] and as many from a second row: each token's share within
-    0.015 of its probability, the zero-probability one never drawn."""
+    0.015 of its probability, the zero-probability one never drawn, each draw's log-prob its token's.
+    Blocks of 3 entries (the vocabulary padded to 6) exercise both levels and a padded last block."""
     torch.manual_seed(0)
     probs = torch.tensor([[0.5, 0.0, 0.3, 0.2], [0.2, 0.3, 0.0, 0.5]])
-    logprobs = probs.log().repeat(10_000, 1)
-    tokens = draw_tokens(logprobs).view(10_000, 2)
+    scaled = (probs.log() + torch.tensor([[1.5], [-3.0]])).repeat(10_000, 1)  # softmax ignores a shift
+    tokens, logprobs = draw_tokens(scaled, block=3)
+    torch.testing.assert_close(logprobs, probs.repeat(10_000, 1).log().gather(1, tokens[:, None])[:, 0])
+    tokens = tokens.view(10_000, 2)
     for row in range(2):
         shares = torch.bincount(tokens[:, row], minlength=4).float() / 10_000
         torch.testing.assert_close(shares, probs[row], rtol=0, atol=0.015)
         assert shares[probs[row] == 0].item() == 0
+
+
+def test_draw_tokens_never_draws_a_token_of_zero_probability_at_a_block_edge():
+    """Rows whose every block but one holds no weight and whose weight sits first in its block: a draw
+    at the far end of the block must not spill onto the zero-weight entries after it."""
+    torch.manual_seed(1)
+    scaled = torch.full((5_000, 64), -float("inf"))
+    scaled[:, 17] = 0.0  # block 1 of 16 entries: only its second entry can be drawn
+    scaled[::2, 40] = -30.0  # a tiny weight in block 2 for half the rows
+    tokens, logprobs = draw_tokens(scaled, block=16)
+    assert set(tokens.tolist()) <= {17, 40}
+    assert torch.isfinite(logprobs).all()
 
 
 def test_draw_tokens_refuses_nan_logits():
