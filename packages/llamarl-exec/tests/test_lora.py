@@ -69,6 +69,20 @@ def test_only_the_adapters_train_and_the_merged_model_computes_the_same(tiny_mod
     torch.testing.assert_close(plain_trainer.compute_logprobs(batch), after, rtol=1e-4, atol=1e-5)
 
 
+def test_in_bf16_the_frozen_base_is_held_once_in_bf16_and_the_saved_model_is_float32(tiny_model_dir, batch):
+    trainer = _trainer(str(tiny_model_dir), compute_dtype="bfloat16")
+    frozen = {n: p for n, p in trainer.model.named_parameters() if not p.requires_grad}
+    computed = dict(trainer.compute_model.named_parameters())
+    assert frozen and all(p.dtype == torch.bfloat16 for p in frozen.values())
+    # No float32 copy of the base: the master's frozen weights are the compute copy's tensors.
+    assert all(p.data_ptr() == computed[n].data_ptr() for n, p in frozen.items())
+    assert all(p.dtype == torch.float32 for p in trainer.model.parameters() if p.requires_grad)
+    before = trainer.compute_logprobs(batch)
+    trainer.train_step(batch)
+    assert not torch.allclose(trainer.compute_logprobs(batch), before)
+    assert {t.dtype for t in trainer.full_state_dict().values()} == {torch.float32}
+
+
 def _sync_worker(rank: int, world_size: int, rdv, model_dir: str, batch, lora_rank: int, dtype: str):
     """Rank 0 trains (LoRA or full) and sends after each step; rank 1, an hf generator, receives."""
     from llamarl.comm import WeightSender, WeightSyncGroup

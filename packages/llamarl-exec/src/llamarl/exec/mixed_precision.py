@@ -35,12 +35,15 @@ class ComputeCopy:
     def __init__(self, master: torch.nn.Module, dtype: torch.dtype) -> None:
         self.master = master
         self.module = copy.deepcopy(master).to(dtype)
+        pairs = list(zip(master.parameters(), self.module.parameters(), strict=True))
         # Trained parameters only: frozen ones (LoRA's base weights) never change after the copy.
-        self._pairs = [
-            (m, c)
-            for m, c in zip(master.parameters(), self.module.parameters(), strict=True)
-            if m.requires_grad
-        ]
+        self._pairs = [(m, c) for m, c in pairs if m.requires_grad]
+        # So the master need not keep a float32 copy of a frozen weight: it shares the compute copy's
+        # (the one forward uses anyway). With LoRA that is the whole base model: 0.54 -> 0 GB of float32
+        # for SmolLM2-135M, 32 -> 0 GB for an 8B model.
+        for m, c in pairs:
+            if not m.requires_grad:
+                m.data = c.data
         for m, c in self._pairs:
             c.register_post_accumulate_grad_hook(_accumulate_into(m))
 

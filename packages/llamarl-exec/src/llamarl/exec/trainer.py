@@ -218,7 +218,11 @@ class PolicyTrainer:
         if self.model is None:
             raise RuntimeError("PolicyTrainer.full_state_dict called before setup()")
         if not self.is_sharded:
-            state = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+            # (.float(): a frozen weight the master shares with a bf16 compute copy, `ComputeCopy`)
+            state = {
+                k: v.detach().cpu().float() if v.is_floating_point() else v.detach().cpu()
+                for k, v in self.model.state_dict().items()
+            }
         else:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
