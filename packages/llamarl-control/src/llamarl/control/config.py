@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from llamarl.comm.transport import DEAD_AFTER_S
+from llamarl.comm import DEAD_AFTER_S
 from llamarl.exec.config import (
     AlgorithmConfig,
     ConfigSection,

@@ -27,6 +27,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+_ROWS_HINT = 16  # the rows oneDNN picks the layout for; decoding multiplies a batch of single tokens
+
 
 class PackedLinear(torch.nn.Linear):
     """An `nn.Linear` (same parameters, names and state dict) whose forward without autograd multiplies
@@ -55,9 +57,6 @@ class PackedLinear(torch.nn.Linear):
         self._packed = None  # (the old copy goes before the new one is made: one layer's extra at a time)
         self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _ROWS_HINT)
         self._packed_of = (weight.data_ptr(), weight._version)
-
-
-_ROWS_HINT = 16  # the rows oneDNN picks the layout for; decoding multiplies a batch of single tokens
 
 
 def packing_works(dtype: torch.dtype) -> bool:

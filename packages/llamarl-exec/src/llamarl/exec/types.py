@@ -15,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-from llamarl.comm.transport import DEAD_AFTER_S
+from llamarl.comm import DEAD_AFTER_S
 
 
 @dataclass(kw_only=True)

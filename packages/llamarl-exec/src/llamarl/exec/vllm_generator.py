@@ -44,8 +44,8 @@ from typing import Any
 
 import torch
 
+from llamarl.comm import DEAD_AFTER_S
 from llamarl.comm.layouts import dtype_from_str
-from llamarl.comm.transport import DEAD_AFTER_S
 from llamarl.exec.config import GeneratorConfig, SamplingConfig
 from llamarl.exec.padding import completion_mask, left_pad, right_pad
 from llamarl.exec.types import GenerationPaused, RolloutBatch, TurnOutput
