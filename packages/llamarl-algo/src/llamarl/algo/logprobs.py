@@ -222,12 +222,12 @@ class _LinearTokenLogprobs(torch.autograd.Function):
         want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         chunks = _HeadChunks(hidden_NH, weight_VH, chunk_size)
         grad_hidden_NH = torch.empty_like(hidden_NH) if want_hidden else None
-        # Accumulated over the chunks in float32 whatever the weight's dtype, cast once at the end.
-        grad_weight_VH = (
-            torch.zeros(weight_VH.shape, dtype=chunks.compute_dtype, device=weight_VH.device)
-            if want_weight
-            else None
-        )
+        # Accumulated by the matrix products themselves, in their dtype (addmm_: one pass over the
+        # [V, H] sum per chunk). Summing bf16 products into a float32 buffer instead took an extra
+        # conversion and addition per chunk: 60 -> 30 ms a chunk for SmolLM2's head (one thread), 0.25 s
+        # of a 6 s step; the sum is rounded to bf16 once per chunk rather than once (relative error
+        # 0.33% against 0.24% for 7 chunks), and bf16 is what the gradient is returned in either way.
+        grad_weight_VH: Tensor | None = None
         for first in range(0, hidden_NH.shape[0], chunk_size):
             rows = slice(first, first + chunk_size)
             hidden_nH = hidden_NH[rows]
@@ -240,10 +240,10 @@ class _LinearTokenLogprobs(torch.autograd.Function):
                 grad_nV = chunks.product[: len(grad_nV)].copy_(grad_nV)
             if want_hidden:
                 torch.mm(grad_nV, weight_VH, out=grad_hidden_NH[rows])
-            if want_weight:
-                grad_weight_VH += grad_nV.T @ hidden_nH
-        if grad_weight_VH is not None:
-            grad_weight_VH = grad_weight_VH.to(weight_VH.dtype)
+            if want_weight and grad_weight_VH is None:
+                grad_weight_VH = grad_nV.T @ hidden_nH
+            elif want_weight:
+                grad_weight_VH.addmm_(grad_nV.T, hidden_nH)
         return grad_hidden_NH, grad_weight_VH, None, None, None, None
 
 
@@ -274,8 +274,9 @@ def linear_token_logprobs(
 
     Returns:
         (logprobs_N, entropy_N) in the hidden states' leading shape, float32 (float64 for float64
-        inputs). Log-probs are differentiable with respect to `hidden_NH` and `weight_VH` (its gradient is
-        accumulated over the chunks in float32); the entropy carries no gradient (a metric).
+        inputs). Log-probs are differentiable with respect to `hidden_NH` and `weight_VH` (its gradient
+        is accumulated over the chunks in the matrix products' dtype); the entropy carries no gradient
+        (a metric).
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be positive, got {temperature}")
