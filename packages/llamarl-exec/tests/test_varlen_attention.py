@@ -218,3 +218,38 @@ def test_bf16_shared_prefix_rows_take_the_eager_path(model, monkeypatch):
     assert calls == [PROMPT, *BRANCHES] * model.config.num_hidden_layers
     for p, q in zip(packed, padded, strict=True):
         torch.testing.assert_close(p.float(), q.float(), rtol=0, atol=3e-2)
+
+
+def test_decoding_over_a_padded_cache_matches_sdpa(model, monkeypatch):
+    """Left-padded rows decoded with a KV cache: every one-query step goes through `_decode_attention`
+    (SDPA matching the grouped heads itself, under the padding mask) and gives transformers' SDPA logits."""
+    ids = torch.randint(1, 96, (3, 6), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    mask[1, :1] = 0
+
+    def decode() -> tuple[torch.Tensor, torch.Tensor]:
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=5,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+        return out.sequences, torch.stack(out.logits)
+
+    assert model.config._attn_implementation == "sdpa"
+    expected_ids, expected_logits = decode()
+    calls = []
+    decode_attention = varlen_attention._decode_attention
+    monkeypatch.setattr(
+        varlen_attention, "_decode_attention", lambda *args: calls.append(1) or decode_attention(*args)
+    )
+    varlen_attention.register()
+    model.set_attn_implementation(VARLEN_ATTENTION)
+    ids_out, logits = decode()
+    assert len(calls) == 4 * model.config.num_hidden_layers  # the 4 steps after the prefill, every layer
+    assert torch.equal(ids_out, expected_ids)
+    torch.testing.assert_close(logits, expected_logits, rtol=1e-5, atol=1e-5)

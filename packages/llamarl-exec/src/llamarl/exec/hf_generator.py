@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from llamarl.comm import DEAD_AFTER_S, WeightReceiver, WeightSyncGroup
+from llamarl.exec import varlen_attention
 from llamarl.exec.config import LoraConfig, SamplingConfig
 from llamarl.exec.episodes import BatchTurnSession
 from llamarl.exec.lora import adapter_tensors, add_lora
@@ -187,6 +188,11 @@ class HFGenerator:
         self.model.requires_grad_(False)  # never trained here; lets weight sync copy without autograd
         # Decoding multiplies a few rows by every weight at every step: packed once, not per call.
         pack_linear_layers(self.model)
+        if self.device == "cpu" and self.model.config._attn_implementation == "sdpa":
+            # Decoding steps attend with SDPA's own grouped heads (varlen_attention._decode_attention);
+            # everything else stays transformers' SDPA path.
+            varlen_attention.register()
+            self.model.set_attn_implementation(varlen_attention.VARLEN_ATTENTION)
         eos = self._eos_token_ids
         if eos is None:
             eos = self.model.generation_config.eos_token_id
