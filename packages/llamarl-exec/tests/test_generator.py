@@ -133,6 +133,28 @@ def test_sampling_ignores_the_model_generation_defaults(tiny_model_dir, tmp_path
     assert len(distinct) > 1
 
 
+def test_a_models_min_new_tokens_does_not_hold_back_the_stop_token(tiny_model_dir, tmp_path):
+    """A min_new_tokens in the model's generation_config would mask the stop token for the first steps;
+    the generator's calls take none of the model's generation defaults."""
+    from transformers import AutoModelForCausalLM
+
+    probe = HFGenerator(str(tiny_model_dir), SamplingConfig(), seed=0, eos_token_ids=[])
+    probe.setup()
+    first = int(
+        probe.generate(PROMPTS[:1], samples_per_prompt=1, max_new_tokens=1, greedy=True).completion_ids_BC[
+            0, 0
+        ]
+    )
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    model.generation_config.min_new_tokens = 3
+    model.save_pretrained(tmp_path)
+    gen = HFGenerator(str(tmp_path), SamplingConfig(), seed=0, eos_token_ids=[first])
+    gen.setup()
+    batch = gen.generate(PROMPTS[:1], samples_per_prompt=1, max_new_tokens=6, greedy=True)
+    assert batch.completion_ids_BC[0, :1].tolist() == [first]  # the greedy first token stops it
+    assert batch.completion_mask_BC.sum() == 1
+
+
 def test_weights_loaded_between_decoding_steps_take_effect_and_stamp_every_token(tiny_model_dir):
     """An in-flight update (stream mode): new weights loaded by `between_steps` after the 4th token.
 

@@ -207,6 +207,13 @@ class HFGenerator:
         if pad is None:
             pad = self.model.config.pad_token_id
         self.pad_token_id = self.eos_token_ids[0] if pad is None else int(pad)
+        # None of the model's generation defaults (its generation_config.json: top_k, min_new_tokens...)
+        # may reach generate, which fills what a call leaves unset from them; `generate` sets what it
+        # needs. (min_new_tokens=0 in the call instead would make min_length the prompt's length and
+        # add a processor that copies the B x V scores at every step for nothing.)
+        from transformers import GenerationConfig
+
+        self.model.generation_config = GenerationConfig()
 
     def close(self) -> None:
         """Leaves the weight-sync group and drops the model (and its device memory)."""
@@ -342,7 +349,7 @@ class HFGenerator:
             repetition_penalty=1.0,
             no_repeat_ngram_size=0,
             max_new_tokens=max_new_tokens,
-            min_new_tokens=0,
+            min_length=0,
             num_beams=1,
             eos_token_id=self.eos_token_ids,
             pad_token_id=self.pad_token_id,
