@@ -34,6 +34,7 @@ from llamarl.algo import (
     kl_penalty_loss,
 )
 from llamarl.exec import varlen_attention
+from llamarl.exec.compiled_modules import compile_modules, wants_compile
 from llamarl.exec.config import AlgorithmConfig, TrainerConfig
 from llamarl.exec.lora import adapter_tensors, add_lora, merged_state_dict
 from llamarl.exec.lr_schedules import lr_factor
@@ -134,6 +135,8 @@ class PolicyTrainer:
         if self.mixed_precision and not self.is_sharded:
             self._compute_copy = ComputeCopy(self.model, self.compute_dtype)
             self.compute_model = self._compute_copy.module
+        if wants_compile(cfg.compile, self.compute_model, self.device, sharded=self.is_sharded):
+            compile_modules(self.compute_model, required=cfg.compile == "on")
         if self.algorithm.kl_coef > 0:
             # Never trained: without FSDP2 it is loaded in the compute dtype straight away.
             ref, _ = load_model_and_tokenizer(
