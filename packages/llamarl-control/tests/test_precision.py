@@ -57,3 +57,18 @@ def test_lora_is_a_nested_trainer_setting_and_refused_with_vllm_in_one_line():
         parse_run_config(
             ["--trainer.lora.rank", "8", "--generator", "vllm"], task="gsm8k", prog="gsm8k_rl", description=""
         )
+
+
+def test_compile_on_is_refused_with_several_trainer_ranks_in_one_line():
+    from llamarl.control.cli import parse_run_config
+    from llamarl.control.config import ConfigError
+
+    config = parse_run_config(["--trainer.compile", "off"], task="gsm8k", prog="gsm8k_rl", description="")
+    assert config.trainer.compile == "off"
+    with pytest.raises(ConfigError, match=r"trainer\.compile on is not supported with FSDP2"):
+        parse_run_config(
+            ["--trainer.compile", "on", "--ranks.num-trainers", "2"],
+            task="gsm8k",
+            prog="gsm8k_rl",
+            description="",
+        )

@@ -249,6 +249,11 @@ class RunConfig(ConfigSection):
             # Syncs carry only the adapters; the hf generator holds the same peft adapters, a vLLM engine
             # would need them loaded as a LoRA adapter of its own (not built yet).
             raise ValueError("trainer.lora.rank > 0 needs generator.backend hf for now")
+        if self.trainer.compile == "on" and ranks.num_trainers > 1:
+            # (the same rule as the trainer's own, `llamarl.exec.compiled_modules.wants_compile`, at load)
+            raise ValueError(
+                "trainer.compile on is not supported with FSDP2 (ranks.num_trainers > 1); use auto"
+            )
         if launch.nnodes > 1 and not launch.rdzv_endpoint:
             raise ValueError("launch.nnodes > 1 needs launch.rdzv_endpoint (host:port of the first machine)")
         if ranks.colocate:

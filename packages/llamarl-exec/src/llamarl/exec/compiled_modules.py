@@ -49,13 +49,17 @@ def wants_compile(
 
 
 def compile_modules(model: torch.nn.Module, *, required: bool) -> int:
-    """Compiles `model`'s RMSNorm and MLP modules in place; returns how many.
+    """Compiles `model`'s RMSNorm and MLP modules (those with parameters) in place; returns how many.
 
     A copy of the first one is compiled and run forward and backward first, so that a machine where
     torch.compile cannot work (no C++ compiler, an unsupported torch) is found here, not in the middle
     of a step: then `required` raises a one-line error, else the model stays eager (logged).
     """
-    targets = [m for m in model.modules() if type(m).__name__.endswith(COMPILED_CLASS_SUFFIXES)]
+    targets = [
+        m
+        for m in model.modules()
+        if type(m).__name__.endswith(COMPILED_CLASS_SUFFIXES) and next(m.parameters(), None) is not None
+    ]
     if not targets:
         return 0
     try:
