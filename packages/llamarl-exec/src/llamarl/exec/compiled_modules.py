@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import Literal
 
 import torch
+
+from llamarl.exec.config import CompileMode
 
 log = logging.getLogger(__name__)
 
@@ -32,9 +33,7 @@ AUTO_MIN_PARAMETERS = 50_000_000
 """`auto` compiles models from this size: below it the one-time compile costs more than it saves."""
 
 
-def wants_compile(
-    setting: Literal["auto", "on", "off"], model: torch.nn.Module, device: str, *, sharded: bool
-) -> bool:
+def wants_compile(setting: CompileMode, model: torch.nn.Module, device: str, *, sharded: bool) -> bool:
     """Whether `compile_modules` should run for a trainer with this setting (`TrainerConfig.compile`).
 
     auto: a CPU model of AUTO_MIN_PARAMETERS or more on one trainer rank (measured there; under FSDP2

@@ -25,6 +25,7 @@ KLEstimatorName = Literal[tuple(sorted(KL_ESTIMATORS))]  # type: ignore[valid-ty
 MismatchMode = Literal[MISMATCH_MODES]  # type: ignore[valid-type]
 LRScheduleName = Literal[LR_SCHEDULES]  # type: ignore[valid-type]
 Precision = Literal["auto", "bf16", "fp32"]
+CompileMode = Literal["auto", "on", "off"]
 
 
 class ConfigSection(BaseModel):
@@ -117,7 +118,7 @@ class TrainerConfig(ConfigSection):
     """recompute each decoder layer's activations in backward: the trainer's peak memory 5.4 -> 3.8 GB
     for the GSM8K benchmark's step on the CPU at 8% more step time; off where the trainer bounds the step
     and memory is plentiful"""
-    compile: Literal["auto", "on", "off"] = "auto"
+    compile: CompileMode = "auto"
     """torch.compile the model's RMSNorm and MLP modules, fusing their elementwise steps (the GSM8K
     benchmark's bf16 step 8.9 -> 7.7 s on one CPU thread; a one-time compile of 3-12 s); auto: on for CPU
     models of 50M+ parameters on one trainer rank, off elsewhere; on: also small models and CUDA"""

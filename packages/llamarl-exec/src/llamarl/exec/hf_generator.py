@@ -68,7 +68,7 @@ def draw_tokens(scaled_BV: torch.Tensor, block: int = 256) -> tuple[torch.Tensor
     within_B1 = (fraction_B * cdf_BK[:, -1])[:, None]
     entry_B = torch.searchsorted(cdf_BK, within_B1, right=True).squeeze(-1).clamp_(max=block - 1)
     token_B = block_B * block + entry_B
-    logprob_B = scaled_BV[rows_B, token_B].log() - total_B1[:, 0].log()  # (a drawn weight is > 0)
+    logprob_B = weights_BV[rows_B, token_B].log() - total_B1[:, 0].log()  # (a drawn weight is > 0)
     return token_B, logprob_B
 
 

@@ -251,8 +251,8 @@ def varlen_attention_forward(
         return _decode_attention(query_BHTD, key_BHkvTD, value_BHkvTD, attention_mask, dropout, scaling), None
     causal = kwargs.get("is_causal", getattr(module, "is_causal", True))
     if attention_mask is not None or key_BHkvTD.shape[2] != num_tokens or num_tokens == 1 or not causal:
-        # Padded rows, a KV cache, one-token decoding or bidirectional attention: not a packed causal
-        # row; transformers' own SDPA path is right there.
+        # Padded rows, a KV cache, one-token decoding off the CPU or bidirectional attention: not a
+        # packed causal row; transformers' own SDPA path is right there.
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(
