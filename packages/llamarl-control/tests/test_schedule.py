@@ -7,6 +7,7 @@ test asserts what a mode promises: which policy version sampled what the trainer
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -19,7 +20,7 @@ from llamarl.control.channels.stream import RolloutOutbox, StreamControl, drain_
 from llamarl.control.config import ScheduleConfig
 from llamarl.control.generator_loop import GeneratorLoop
 from llamarl.control.prompts import PromptStream
-from llamarl.control.schedule import lockstep_ticks
+from llamarl.control.schedule import lockstep_ticks, stream_admits
 from llamarl.control.timeline import Timeline
 from llamarl.control.trainer_loop import PolicyLagError, TrainerLoop
 from llamarl.exec.config import SamplingConfig
@@ -303,6 +304,14 @@ def test_lockstep_plans_are_what_the_docstring_says():
         list(lockstep_ticks("stream", 2))
 
 
+def test_an_async_run_generates_alone_first_and_trains_alone_last():
+    # (the ticks where the side at work borrows the waiting side's cores, llamarl.control.threads)
+    sides = [set(t.working_sides()) for t in lockstep_ticks("async", 3)]
+    assert sides == [{"generators"}, {"generators", "trainers"}, {"generators", "trainers"}, {"trainers"}]
+    assert all(t.working_sides() == {"generators", "trainers"} for t in lockstep_ticks("sync", 3))
+    assert [set(t.working_sides()) for t in lockstep_ticks("async", 3, start_tick=3)] == [{"trainers"}]
+
+
 def test_dynamic_sampling_refills_the_batch_with_groups_that_have_reward_variance():
     events: list[str] = []
     generator, trainer, _ = make_loops(events, dynamic_sampling=True)
@@ -352,6 +361,7 @@ def run_stream(
     buffer: RolloutBuffer | None = None,
     first_step: int = 0,
     control: StreamControl | None = None,
+    generators_done=contextlib.nullcontext,
 ):
     """Both loops of a stream run on their own threads, joined by a real buffer, outbox and drain.
 
@@ -360,6 +370,7 @@ def run_stream(
     the generator is paused too (its `on_checkpoint_generator` part runs first, in its own thread).
     """
     link.threaded = True
+    generator.schedule = generator.schedule.model_copy(update={"steps": steps})  # as the run's config says
     control = control or StreamControl(DictStore())
     if buffer is None:  # (not `buffer or`: an empty buffer is falsy)
         buffer = RolloutBuffer(
@@ -415,6 +426,7 @@ def run_stream(
         on_step=lambda record, whole: records.append(record),
         first_step=first_step,
         after_step=after_step,
+        generators_done=generators_done,
     )
     buffer.close()
     for t in threads:
@@ -435,11 +447,56 @@ def test_stream_admission_holds_a_fast_generator_back_so_no_group_goes_stale():
         assert step - int(batch.token_version_BC.min()) <= 1  # trainer was at version `step`
     assert buffer.counts.dropped_stale == 0
     assert max(r["policy/lag"] for r in records) <= 1
-    # Ahead of the trainer the generator only started what the lag bound lets it train on: at the end
-    # at most one batch past the last one trained (sampled while the last step trained).
-    assert generator.requests <= 6 + 1 + 1
+    # Ahead of the trainer the generator only started what the lag bound lets it train on, and nothing
+    # past the run's last step (one batch a request here).
+    assert generator.requests == 6
     assert buffer.counts.received == 6 * 2 + len(buffer)
     assert generator.policy_version == 6  # took the final weights before stopping
+
+
+def test_a_streams_first_request_alone_is_sampled_with_the_trainers_cores():
+    # The trainer can only wait for a fresh stream's first batch: that request runs inside
+    # `trainer_waiting` (where the generator side borrows the trainer's cores), no later one does.
+    events: list[str] = []
+    generator, trainer, link = make_loops(events, max_policy_lag=1)
+
+    @contextlib.contextmanager
+    def trainer_waiting():
+        events.append("borrow")
+        yield
+        events.append("give back")
+
+    generator.trainer_waiting = trainer_waiting
+    run_stream(generator, trainer, link, steps=3, buffer_groups=8)
+    assert events[:3] == ["borrow", "generate [0, 1] v0", "give back"]
+    assert events.count("borrow") == 1 and events.count("give back") == 1
+
+
+def test_a_streams_last_step_trains_once_the_generators_are_done():
+    # The last batch taken, admission lets no generator start anything more: the last step alone trains
+    # inside `generators_done` (where the trainer side borrows the generators' cores).
+    events: list[str] = []
+    generator, trainer, link = make_loops(events, max_policy_lag=1)
+
+    @contextlib.contextmanager
+    def generators_done():
+        events.append("borrow")
+        yield
+        events.append("give back")
+
+    run_stream(generator, trainer, link, steps=3, buffer_groups=8, generators_done=generators_done)
+    borrowed = events[events.index("borrow") : events.index("give back")]
+    assert len(borrowed) == 2 and borrowed[1].startswith("train") and borrowed[1].endswith("-> v3")
+    assert events.count("borrow") == 1
+    assert generator.requests == 3  # nothing sampled past the last step
+
+
+def test_admission_stops_at_the_runs_last_step():
+    # Two groups a step, three steps: the groups of batch 2 are the last a generator may start.
+    rule = dict(groups=2, version=2, prompts_per_step=2, max_policy_lag=1)
+    assert stream_admits(taken=2, ahead=0, **rule, steps=3)
+    assert not stream_admits(taken=2, ahead=2, **rule, steps=3)  # they would make a fourth batch
+    assert stream_admits(taken=2, ahead=2, **rule)  # (a run without an end in sight)
 
 
 class InterleavingStore(DictStore):
@@ -591,14 +648,13 @@ def test_stream_takes_weights_in_flight_and_stamps_every_token():
 def test_a_full_buffer_blocks_the_generator_until_the_trainer_takes():
     events: list[str] = []
     generator, trainer, link = make_loops(events, max_policy_lag=4, trainer_step_s=0.1)
-    records, buffer, _ = run_stream(generator, trainer, link, steps=3, buffer_groups=2)
-    # The generator was held back (unbounded, it would sample hundreds of batches meanwhile): ahead of
-    # the trainer are at most one batch in the buffer, one in the drain's hands, one on the wire, one in
-    # the outbox, one being sent and one being sampled.
+    records, buffer, _ = run_stream(generator, trainer, link, steps=6, buffer_groups=2)
+    # The generator, allowed 4 versions ahead, was held back by the full buffer (it waited: idle time),
+    # and sampled no batch past the run's last step.
     generated = sum(1 for e in events if e.startswith("generate"))
-    assert generated <= 3 + 6
+    assert generated == 6
     assert buffer.counts.dropped_stale == 0
-    assert records[-1]["idle/generator_frac"] > 0.0
+    assert records[-2]["idle/generator_frac"] > 0.0  # (the last step brings no generator metrics: nan)
 
 
 def test_a_buffer_take_has_a_deadline():

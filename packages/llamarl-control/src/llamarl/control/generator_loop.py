@@ -17,6 +17,7 @@ Shape legend: B sequences, C completion length, G group size.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -67,6 +68,7 @@ class GeneratorLoop:
         timeline: Timeline,
         sample_log: TextIO | None = None,
         before_request: Callable[[int], None] | None = None,
+        trainer_waiting: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
         replace_engines: bool = False,
         episodes: EpisodeSetup | None = None,
         reward_model: ModelRewarder | None = None,
@@ -85,6 +87,9 @@ class GeneratorLoop:
         self.timeline = timeline
         self.sample_log = sample_log
         self.before_request = before_request  # stream mode: called with each request's number (faults)
+        # Stream mode: held around the first request of a fresh run, which the trainer can only wait
+        # for (the generator side borrows the trainer's cores there, `llamarl.control.threads`).
+        self.trainer_waiting = trainer_waiting
         self.replace_engines = replace_engines  # stream mode: restart a dead engine instead of failing
         self.sampler = TaskSampler(
             generator=generator,
@@ -334,10 +339,12 @@ class GeneratorLoop:
                         self.requests += 1
                         if self.before_request is not None:
                             self.before_request(self.tick)
+                    alone = self.tick == 0 and self.policy_version == 0
                     try:
-                        batch, dropped, metrics = self._sample(
-                            self.request, between_steps if in_flight else None
-                        )
+                        with self.trainer_waiting() if alone else contextlib.nullcontext():
+                            batch, dropped, metrics = self._sample(
+                                self.request, between_steps if in_flight else None
+                            )
                     except GenerationPaused:
                         continue  # the pause is served at the top of the loop; then the request goes on
                     self.request = None
@@ -402,6 +409,7 @@ class GeneratorLoop:
                 version=self.policy_version,
                 prompts_per_step=self.schedule.prompts_per_step,
                 max_policy_lag=self.schedule.max_policy_lag,
+                steps=self.schedule.steps,
             )
         ) is None:
             if control.stopped():

@@ -10,7 +10,7 @@ the held-out questions in evaluations. Weights arrive straight from the trainer 
 
 from __future__ import annotations
 
-import os
+import contextlib
 from typing import Any, TextIO
 
 import torch
@@ -26,6 +26,7 @@ from llamarl.control.prompts import PromptStream, TaskPrompts
 from llamarl.control.sampler import EpisodeSetup, TaskSampler
 from llamarl.control.schedule import Tick
 from llamarl.control.side import Side
+from llamarl.control.threads import borrowed_cores
 from llamarl.exec import HFGenerator, ProcessRewarder, VLLMGenerator
 from llamarl.exec.reward_model import build_model_rewarder
 from llamarl.exec.types import Generator, RolloutBatch
@@ -35,6 +36,8 @@ EVAL_CHUNK = 32  # prompts per greedy generate call during evaluation
 
 class GeneratorSide(Side):
     """A generator rank."""
+
+    side_name = "generators"
 
     # Built by setup(); None until then, so that close() after a partial setup releases what exists.
     generator: Generator | None = None
@@ -136,6 +139,7 @@ class GeneratorSide(Side):
             timeline=self.timeline,
             sample_log=self.samples,
             before_request=self._strike_at_request,
+            trainer_waiting=self._trainer_waiting,
             replace_engines=cfg.replaces_engines,
             episodes=self.episodes,
             reward_model=self.reward_model,
@@ -238,12 +242,7 @@ class GeneratorSide(Side):
         cfg = self.config
         version[0] = self.loop.policy_version
         mine = list(range(len(self.eval_examples)))[self.generator_index :: cfg.ranks.num_generators]
-        # The trainer idles during evaluation, so the generators may use its cores too (unless the user
-        # fixed the threads per rank: on a shared machine more threads can be slower).
-        threads = torch.get_num_threads()
-        if cfg.ranks.threads_per_rank is None:
-            torch.set_num_threads(max(threads, (os.cpu_count() or 1) // cfg.ranks.num_generators))
-        try:
+        with self._trainer_waiting():
             for first in range(0, len(mine), EVAL_CHUNK):
                 chunk = mine[first : first + EVAL_CHUNK]
                 greedy_Q[chunk] = torch.tensor(
@@ -254,8 +253,11 @@ class GeneratorSide(Side):
                         self._score_questions(chunk, samples=cfg.eval.samples, greedy=False),
                         dtype=torch.float64,
                     )
-        finally:
-            torch.set_num_threads(threads)
+
+    def _trainer_waiting(self) -> contextlib.AbstractContextManager[None]:
+        """While the trainer only waits for the generators (an evaluation, a stream's first request),
+        they borrow its cores (`llamarl.control.threads`)."""
+        return borrowed_cores(self.config, self.config.ranks.num_generators + len(self.reward_ranks))
 
     def _score_questions(self, indices: list[int], *, samples: int, greedy: bool) -> list[float]:
         """The mean reward of `samples` completions (or episodes) of each held-out question."""

@@ -68,6 +68,7 @@ from llamarl.control.nodes import NodeWatch, describe_lost, nodes_as_records
 from llamarl.control.report import write_report
 from llamarl.control.task_registry import load_task, register_task
 from llamarl.control.tasks import Task
+from llamarl.control.threads import rank_threads
 
 __all__ = ["Launched", "RunFailed", "RunInterrupted", "launch", "run_this_rank"]
 
@@ -474,21 +475,6 @@ def _quiet_libraries() -> None:
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
-
-
-def rank_threads(config: RunConfig) -> int:
-    """The CPU threads each rank computes with: `ranks.threads_per_rank` when set, else a share of the
-    cores (`_default_threads`)."""
-    return config.ranks.threads_per_rank or _default_threads(config)
-
-
-def _default_threads(config: RunConfig) -> int:
-    cores = os.cpu_count() or 1
-    if config.schedule.mode == "sync":
-        return cores  # ranks take turns, so each may use every core
-    # Under torchrun the machines are torchrun's (--nnodes), not launch.nnodes.
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", config.world_size // config.launch.nnodes))
-    return max(1, cores // per_node)
 
 
 def _first_failure(

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 PhaseName = Literal["generate", "move_rollouts", "sync_weights", "train", "checkpoint"]
+SideName = Literal["trainers", "generators"]
+_WORKS: dict[str, SideName] = {"generate": "generators", "train": "trainers"}
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,11 @@ class Tick:
     index: int
     phases: tuple[Phase, ...]
     policy_version: int
+
+    def working_sides(self) -> frozenset[SideName]:
+        """The sides that compute in this tick (moving batches and weights aside): an async run's first
+        tick only generates, its last only trains."""
+        return frozenset(_WORKS[p.name] for p in self.phases if p.name in _WORKS)
 
 
 def lockstep_ticks(mode: str, steps: int, start_tick: int = 0) -> Iterator[Tick]:
@@ -78,7 +85,14 @@ def lockstep_ticks(mode: str, steps: int, start_tick: int = 0) -> Iterator[Tick]
 
 
 def stream_admits(
-    *, taken: int, ahead: int, groups: int, version: int, prompts_per_step: int, max_policy_lag: int
+    *,
+    taken: int,
+    ahead: int,
+    groups: int,
+    version: int,
+    prompts_per_step: int,
+    max_policy_lag: int,
+    steps: int | None = None,
 ) -> bool:
     """Stream mode's admission rule (AReaL's bound on the versions in flight): may a generator holding
     policy `version` start sampling `groups` more groups?
@@ -87,8 +101,11 @@ def stream_admits(
     `prompts_per_step` a step, and the batch it takes
     next trains at version `taken` (the batches taken so far). Behind `ahead` groups admitted and not
     yet consumed, the last new group trains at `taken + (ahead + groups - 1) // prompts_per_step`; it
-    is admitted if that stays within `max_policy_lag` of `version` (the weights of its first token).
-    The controller (`StreamControl.admit`) and the simulator both decide by it.
+    is admitted if that stays within `max_policy_lag` of `version` (the weights of its first token),
+    and, in a run of `steps` steps, if that step is one of them: a group past the last step would never
+    be trained, and sampling it would only slow the last steps down. (A group dropped as stale counts
+    as consumed: its replacement is admitted.) The controller (`StreamControl.admit`) and the simulator
+    both decide by it.
     """
     trained_at = taken + (ahead + groups - 1) // prompts_per_step
-    return trained_at - version <= max_policy_lag
+    return trained_at - version <= max_policy_lag and (steps is None or trained_at < steps)

@@ -26,6 +26,7 @@ decoding steps, keeping its request in flight.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 from datetime import timedelta
@@ -42,8 +43,9 @@ from llamarl.control.evaluation import EvalProgress, EvalResult
 from llamarl.control.faults import FaultInjector
 from llamarl.control.memory import ProcessTreeMemory
 from llamarl.control.prompts import load_tokenizer
-from llamarl.control.schedule import Phase, Tick, lockstep_ticks
+from llamarl.control.schedule import Phase, SideName, Tick, lockstep_ticks
 from llamarl.control.task_registry import load_task
+from llamarl.control.threads import borrowed_cores
 from llamarl.control.timeline import Timeline, write_chrome_trace
 
 
@@ -53,6 +55,8 @@ class Side:
     Subclasses implement the side-specific hooks; every hook is called on every rank of the side, in the
     same order as on the ranks of the other side.
     """
+
+    side_name: SideName | None = None  # which phases of a tick this side computes in (None: reward ranks)
 
     def __init__(
         self, config: RunConfig, train_examples: list[dict], eval_examples: list[dict], *, rank: int
@@ -245,8 +249,17 @@ class Side:
         self.tick = tick.index
         self.faults.strike(tick.index)
         self._maybe_evaluate(tick.index)
-        for phase in tick.phases:
-            self._run_phase(phase, tick)
+        with self._cores_for(tick):
+            for phase in tick.phases:
+                self._run_phase(phase, tick)
+
+    def _cores_for(self, tick: Tick) -> contextlib.AbstractContextManager[None]:
+        """The only side at work in a tick borrows the cores of the side that waits (first and last
+        tick of an async run, `llamarl.control.threads`); reward ranks count as at work."""
+        if tick.working_sides() != {self.side_name}:
+            return contextlib.nullcontext()
+        ranks = self.trainer_ranks if self.side_name == "trainers" else self.generator_ranks
+        return borrowed_cores(self.config, len(ranks) + len(self.reward_ranks))
 
     def _run_phase(self, phase: Phase, tick: Tick) -> None:
         if phase.name == "generate":

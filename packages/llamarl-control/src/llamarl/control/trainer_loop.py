@@ -10,6 +10,7 @@ batch).
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
@@ -202,6 +203,7 @@ class TrainerLoop:
         first_step: int = 0,
         before_step: Callable[[int], None] = lambda step: None,
         after_step: Callable[[int], None] = lambda version: None,
+        generators_done: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
     ) -> None:
         """Stream mode: steps `first_step` .. `steps - 1` (a resumed run starts later): take a batch
         (`take`, e.g. from the `RolloutBuffer`), keep this rank's part (`relay`), train and send the new
@@ -210,14 +212,17 @@ class TrainerLoop:
         `on_step(record, whole batch)` logs each step; `before_step(step)` runs first (fault
         injection); `after_step(policy_version)` runs once the new weights went out (evaluations and
         checkpoints pause the run there). `control` is None on trainer ranks other than the first
-        (they neither announce nor stop).
+        (they neither announce nor stop). The last step trains inside `generators_done()`: once its
+        batch is taken no generator has anything left to sample (admission stops at the run's last
+        step), so the trainer side may borrow their cores (`llamarl.control.threads`).
         """
         for step in range(first_step, steps):
             self.tick = step
             before_step(step)
             with self.timeline.phase("rollouts", step):
                 whole = take()  # the first trainer rank answers requests for weights while it waits
-            record = self.train(relay(whole), whole)
+            with generators_done() if step == steps - 1 else contextlib.nullcontext():
+                record = self.train(relay(whole), whole)
             on_step(record, whole)
             if control is not None:
                 control.announce()

@@ -10,6 +10,7 @@ the generators (llamarl.comm: nothing is gathered).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import threading
@@ -34,6 +35,7 @@ from llamarl.control.report import write_report
 from llamarl.control.schedule import Tick
 from llamarl.control.side import Side
 from llamarl.control.summary import build_summary, write_summary
+from llamarl.control.threads import borrowed_cores
 from llamarl.control.trainer_loop import TrainerLoop
 from llamarl.exec import PolicyTrainer
 from llamarl.exec.types import RolloutBatch
@@ -43,6 +45,8 @@ TRAINED_LOG = "trained_groups.jsonl"  # OUTPUT_DIR/...: the groups each step tra
 
 class TrainerSide(Side):
     """A trainer rank."""
+
+    side_name = "trainers"
 
     # Built by setup(); None until then, so that close() after a partial setup releases what exists.
     trainer: PolicyTrainer | None = None
@@ -226,6 +230,11 @@ class TrainerSide(Side):
     # ----------------------------------------------------------------------------------------------
     # stream
 
+    def _generators_done(self) -> contextlib.AbstractContextManager[None]:
+        """Stream mode's last step: the generators have nothing left to sample, the trainer ranks borrow
+        their cores (`llamarl.control.threads`)."""
+        return borrowed_cores(self.config, len(self.trainer_ranks) + len(self.reward_ranks))
+
     def run_stream(self) -> None:
         """The trainer takes groups still within max_policy_lag from the buffer the generators fill
         (in the order admission control admitted them: no group waits forever), trains, and sends the
@@ -256,6 +265,7 @@ class TrainerSide(Side):
                 on_step=self._log_step,
                 first_step=self.start_tick,
                 before_step=strike,
+                generators_done=self._generators_done,
                 after_step=pause_too,
             )
             return
@@ -347,6 +357,7 @@ class TrainerSide(Side):
             on_step=on_step,
             first_step=self.start_tick,
             before_step=strike,
+            generators_done=self._generators_done,
             after_step=pause,
         )
         buffer.close()  # what still arrives is received and discarded until every generator ends

@@ -140,10 +140,19 @@ class StreamControl:
         raw = self.store.get(self._ADMITTED).decode()
         return int(raw.split()[0]), raw
 
-    def admit(self, groups: int, *, version: int, prompts_per_step: int, max_policy_lag: int) -> int | None:
+    def admit(
+        self,
+        groups: int,
+        *,
+        version: int,
+        prompts_per_step: int,
+        max_policy_lag: int,
+        steps: int | None = None,
+    ) -> int | None:
         """Generator: reserves `groups` new groups if the last of them would still be trained within
-        `max_policy_lag` of `version` (the weights that would sample its first token); None (and
-        nothing reserved) if not yet. The rule: `llamarl.control.schedule.stream_admits`.
+        `max_policy_lag` of `version` (the weights that would sample its first token), and within the
+        run's `steps`; None (and nothing reserved) if not (yet). The rule:
+        `llamarl.control.schedule.stream_admits`.
 
         Returns the first of the groups' admission tickets (they are consecutive). Tickets number the
         groups in the order they were admitted, which is the order the trainer takes them in
@@ -163,6 +172,7 @@ class StreamControl:
                 version=version,
                 prompts_per_step=prompts_per_step,
                 max_policy_lag=max_policy_lag,
+                steps=steps,
             ):
                 return None
             # Reserved only if no other generator was admitted since the read (else read again): the

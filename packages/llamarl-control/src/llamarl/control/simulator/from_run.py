@@ -78,7 +78,7 @@ class Target:
 
 
 def threads_per_rank(mode: str, ranks: int, cores: int) -> int:
-    """The launcher's default (`llamarl.control.launcher._default_threads`): all cores in sync mode,
+    """The launcher's default (`llamarl.control.threads.default_threads`): all cores in sync mode,
     an even share otherwise."""
     return cores if mode == "sync" else max(1, cores // ranks)
 

@@ -266,6 +266,7 @@ def simulate_stream(
                 version=mine["version"],
                 prompts_per_step=settings.groups_per_step,
                 max_policy_lag=settings.max_policy_lag,
+                steps=steps,
             )
 
         request = 0
