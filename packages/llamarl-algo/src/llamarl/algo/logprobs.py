@@ -170,6 +170,17 @@ class _HeadChunks:
         return scaled_nV
 
 
+def _row_dots(a_nV: Tensor, b_nV: Tensor, *, out: Tensor) -> Tensor:
+    """out[i] = a_nV[i] . b_nV[i] for each row, into `out` [n] (returned)."""
+    if a_nV.device.type == "cpu":
+        # One BLAS dot a row: a batched [n, 1, V] x [n, V, 1] product takes 6x as long on the CPU (33 ms
+        # against 5.7 for 256 rows of SmolLM2's 49k vocabulary, one thread), as does (a * b).sum(-1).
+        for i in range(len(out)):
+            torch.dot(a_nV[i], b_nV[i], out=out[i])
+        return out
+    return torch.linalg.vecdot(a_nV, b_nV, out=out)
+
+
 class _LinearTokenLogprobs(torch.autograd.Function):
     """log softmax(hidden @ weight.T / temperature)[token] per token, and the distribution's entropy,
     one chunk of tokens at a time: the [N, V] logits exist one [n, V] chunk at a time, in forward and
@@ -206,7 +217,7 @@ class _LinearTokenLogprobs(torch.autograd.Function):
             logprobs_N[rows] = logp_nV.gather(-1, token_ids_N[rows, None]).squeeze(-1)
             # H = -sum_v p_v log p_v, p = exp(z - max) / sum, as one dot product per token.
             probs_nV = exp_nV.div_(sum_n[:, None])
-            entropy_N[rows] = -(probs_nV[:, None, :] @ logp_nV[:, :, None]).view(-1)
+            _row_dots(probs_nV, logp_nV, out=entropy_N[rows]).neg_()
             lse_N[rows] = lse_n
         ctx.save_for_backward(hidden_NH, weight_VH, token_ids_N, lse_N)
         ctx.temperature = temperature
