@@ -454,19 +454,24 @@ def test_stream_admission_holds_a_fast_generator_back_so_no_group_goes_stale():
     assert generator.policy_version == 6  # took the final weights before stopping
 
 
+def borrowing(events: list[str]):
+    """A stand-in for `llamarl.control.threads.borrowed_cores`: logs where it starts and ends."""
+
+    @contextlib.contextmanager
+    def borrowed():
+        events.append("borrow")
+        yield
+        events.append("give back")
+
+    return borrowed
+
+
 def test_a_streams_first_request_alone_is_sampled_with_the_trainers_cores():
     # The trainer can only wait for a fresh stream's first batch: that request runs inside
     # `trainer_waiting` (where the generator side borrows the trainer's cores), no later one does.
     events: list[str] = []
     generator, trainer, link = make_loops(events, max_policy_lag=1)
-
-    @contextlib.contextmanager
-    def trainer_waiting():
-        events.append("borrow")
-        yield
-        events.append("give back")
-
-    generator.trainer_waiting = trainer_waiting
+    generator.trainer_waiting = borrowing(events)
     run_stream(generator, trainer, link, steps=3, buffer_groups=8)
     assert events[:3] == ["borrow", "generate [0, 1] v0", "give back"]
     assert events.count("borrow") == 1 and events.count("give back") == 1
@@ -477,14 +482,7 @@ def test_a_streams_last_step_trains_once_the_generators_are_done():
     # inside `generators_done` (where the trainer side borrows the generators' cores).
     events: list[str] = []
     generator, trainer, link = make_loops(events, max_policy_lag=1)
-
-    @contextlib.contextmanager
-    def generators_done():
-        events.append("borrow")
-        yield
-        events.append("give back")
-
-    run_stream(generator, trainer, link, steps=3, buffer_groups=8, generators_done=generators_done)
+    run_stream(generator, trainer, link, steps=3, buffer_groups=8, generators_done=borrowing(events))
     borrowed = events[events.index("borrow") : events.index("give back")]
     assert len(borrowed) == 2 and borrowed[1].startswith("train") and borrowed[1].endswith("-> v3")
     assert events.count("borrow") == 1
