@@ -209,9 +209,12 @@ class GeneratorSide(Side):
             held = torch.zeros(1, dtype=torch.int64)
             dist.recv(held, self.reward_rank)
             if not int(held):
-                send_rollouts(*self.loop.make_batch(self.start_tick - 1), dst=self.reward_rank)
+                with self._trainer_waiting():
+                    batch = self.loop.make_batch(self.start_tick - 1)
+                send_rollouts(*batch, dst=self.reward_rank)
         elif self._pending is None:
-            self._pending = self.loop.make_batch(self.start_tick - 1)
+            with self._trainer_waiting():  # the trainer's first tick waits for this batch
+                self._pending = self.loop.make_batch(self.start_tick - 1)
 
     # ----------------------------------------------------------------------------------------------
     # stream
@@ -255,8 +258,8 @@ class GeneratorSide(Side):
                     )
 
     def _trainer_waiting(self) -> contextlib.AbstractContextManager[None]:
-        """While the trainer only waits for the generators (an evaluation, a stream's first request),
-        they borrow its cores (`llamarl.control.threads`)."""
+        """While the trainer only waits for the generators (an evaluation, a stream's first request, the
+        batch a resumed async run starts with), they borrow its cores (`llamarl.control.threads`)."""
         return borrowed_cores(self.config, self.config.ranks.num_generators + len(self.reward_ranks))
 
     def _score_questions(self, indices: list[int], *, samples: int, greedy: bool) -> list[float]:

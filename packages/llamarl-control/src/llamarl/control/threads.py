@@ -3,13 +3,14 @@ side of the run only waits for it.
 
 By default every rank computes with a share of its machine's cores: all of them in sync mode (the sides
 take turns), the cores split across the ranks that run at once otherwise. Some stretches of an async or
-stream run have only one side at work: the first batch is only generated (the trainer waits for it),
+stream run have only one side at work: the first batch (of a resumed async run too) is only generated
+(the trainer waits for it),
 the last step only trains (nothing is left to sample: stream admission stops at the run's last step),
 and an evaluation only generates. There the working side borrows the waiting side's cores
 (`borrowed_cores`). Measured on the GSM8K benchmark's 2-core machine (16 x 128 tokens a step, bf16, one
 thread a rank otherwise): the first batch 9.5 -> 7.2 s, the last step's training 7.9 -> 5.7 s; a 4-step
 run's loop 46.6 -> 42.5 s async (160 -> 175 tokens/s) and 48.1 -> 41.9 s stream (155 -> 178). A long
-run gains those seconds once (and again after each resume).
+run gains those seconds once (an async run again after each resume).
 
 A user who fixed `ranks.threads_per_rank` keeps it throughout. Nothing is borrowed when the ranks
 share their machine with other machines' ranks of the run (a share of the cores there depends on how
