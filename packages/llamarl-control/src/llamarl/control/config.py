@@ -18,6 +18,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from llamarl.comm import DEAD_AFTER_S
+from llamarl.exec.compiled_modules import refuse_compile_under_fsdp2
 from llamarl.exec.config import (
     AlgorithmConfig,
     ConfigSection,
@@ -249,11 +250,8 @@ class RunConfig(ConfigSection):
             # Syncs carry only the adapters; the hf generator holds the same peft adapters, a vLLM engine
             # would need them loaded as a LoRA adapter of its own (not built yet).
             raise ValueError("trainer.lora.rank > 0 needs generator.backend hf for now")
-        if self.trainer.compile == "on" and ranks.num_trainers > 1:
-            # (the same rule as the trainer's own, `llamarl.exec.compiled_modules.wants_compile`, at load)
-            raise ValueError(
-                "trainer.compile on is not supported with FSDP2 (ranks.num_trainers > 1); use auto"
-            )
+        # The trainer's own rule, checked before any rank starts (several trainer ranks: FSDP2).
+        refuse_compile_under_fsdp2(self.trainer.compile, sharded=ranks.num_trainers > 1)
         if launch.nnodes > 1 and not launch.rdzv_endpoint:
             raise ValueError("launch.nnodes > 1 needs launch.rdzv_endpoint (host:port of the first machine)")
         if ranks.colocate:

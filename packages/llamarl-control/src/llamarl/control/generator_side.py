@@ -10,7 +10,6 @@ the held-out questions in evaluations. Weights arrive straight from the trainer 
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, TextIO
 
 import torch
@@ -26,7 +25,6 @@ from llamarl.control.prompts import PromptStream, TaskPrompts
 from llamarl.control.sampler import EpisodeSetup, TaskSampler
 from llamarl.control.schedule import Tick
 from llamarl.control.side import Side
-from llamarl.control.threads import borrowed_cores
 from llamarl.exec import HFGenerator, ProcessRewarder, VLLMGenerator
 from llamarl.exec.reward_model import build_model_rewarder
 from llamarl.exec.types import Generator, RolloutBatch
@@ -139,7 +137,7 @@ class GeneratorSide(Side):
             timeline=self.timeline,
             sample_log=self.samples,
             before_request=self._strike_at_request,
-            trainer_waiting=self._trainer_waiting,
+            trainer_waiting=self.borrow_cores,
             replace_engines=cfg.replaces_engines,
             episodes=self.episodes,
             reward_model=self.reward_model,
@@ -209,11 +207,11 @@ class GeneratorSide(Side):
             held = torch.zeros(1, dtype=torch.int64)
             dist.recv(held, self.reward_rank)
             if not int(held):
-                with self._trainer_waiting():
+                with self.borrow_cores():
                     batch = self.loop.make_batch(self.start_tick - 1)
                 send_rollouts(*batch, dst=self.reward_rank)
         elif self._pending is None:
-            with self._trainer_waiting():  # the trainer's first tick waits for this batch
+            with self.borrow_cores():  # the trainer's first tick waits for this batch
                 self._pending = self.loop.make_batch(self.start_tick - 1)
 
     # ----------------------------------------------------------------------------------------------
@@ -245,7 +243,7 @@ class GeneratorSide(Side):
         cfg = self.config
         version[0] = self.loop.policy_version
         mine = list(range(len(self.eval_examples)))[self.generator_index :: cfg.ranks.num_generators]
-        with self._trainer_waiting():
+        with self.borrow_cores():  # the trainer waits meanwhile
             for first in range(0, len(mine), EVAL_CHUNK):
                 chunk = mine[first : first + EVAL_CHUNK]
                 greedy_Q[chunk] = torch.tensor(
@@ -256,11 +254,6 @@ class GeneratorSide(Side):
                         self._score_questions(chunk, samples=cfg.eval.samples, greedy=False),
                         dtype=torch.float64,
                     )
-
-    def _trainer_waiting(self) -> contextlib.AbstractContextManager[None]:
-        """While the trainer only waits for the generators (an evaluation, a stream's first request, the
-        batch a resumed async run starts with), they borrow its cores (`llamarl.control.threads`)."""
-        return borrowed_cores(self.config, self.config.ranks.num_generators + len(self.reward_ranks))
 
     def _score_questions(self, indices: list[int], *, samples: int, greedy: bool) -> list[float]:
         """The mean reward of `samples` completions (or episodes) of each held-out question."""

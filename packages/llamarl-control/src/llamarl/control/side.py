@@ -255,9 +255,12 @@ class Side:
 
     def _cores_for(self, tick: Tick) -> contextlib.AbstractContextManager[None]:
         """The only side at work in a tick borrows the cores of the side that waits (first and last
-        tick of an async run, `llamarl.control.threads`); reward ranks count as at work."""
-        if tick.working_sides() != {self.side_name}:
-            return contextlib.nullcontext()
+        tick of an async run)."""
+        return self.borrow_cores() if tick.working_sides() == {self.side_name} else contextlib.nullcontext()
+
+    def borrow_cores(self) -> contextlib.AbstractContextManager[None]:
+        """While this side alone computes (the other only waits for it), its ranks borrow the other
+        side's cores (`llamarl.control.threads`); reward ranks count as at work."""
         ranks = self.trainer_ranks if self.side_name == "trainers" else self.generator_ranks
         return borrowed_cores(self.config, len(ranks) + len(self.reward_ranks))
 

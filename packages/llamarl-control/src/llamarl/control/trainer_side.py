@@ -10,7 +10,6 @@ the generators (llamarl.comm: nothing is gathered).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import shutil
 import threading
@@ -35,7 +34,6 @@ from llamarl.control.report import write_report
 from llamarl.control.schedule import Tick
 from llamarl.control.side import Side
 from llamarl.control.summary import build_summary, write_summary
-from llamarl.control.threads import borrowed_cores
 from llamarl.control.trainer_loop import TrainerLoop
 from llamarl.exec import PolicyTrainer
 from llamarl.exec.types import RolloutBatch
@@ -230,11 +228,6 @@ class TrainerSide(Side):
     # ----------------------------------------------------------------------------------------------
     # stream
 
-    def _generators_done(self) -> contextlib.AbstractContextManager[None]:
-        """Stream mode's last step: the generators have nothing left to sample, the trainer ranks borrow
-        their cores (`llamarl.control.threads`)."""
-        return borrowed_cores(self.config, len(self.trainer_ranks) + len(self.reward_ranks))
-
     def run_stream(self) -> None:
         """The trainer takes groups still within max_policy_lag from the buffer the generators fill
         (in the order admission control admitted them: no group waits forever), trains, and sends the
@@ -265,7 +258,7 @@ class TrainerSide(Side):
                 on_step=self._log_step,
                 first_step=self.start_tick,
                 before_step=strike,
-                generators_done=self._generators_done,
+                generators_done=self.borrow_cores,
                 after_step=pause_too,
             )
             return
@@ -357,7 +350,7 @@ class TrainerSide(Side):
             on_step=on_step,
             first_step=self.start_tick,
             before_step=strike,
-            generators_done=self._generators_done,
+            generators_done=self.borrow_cores,
             after_step=pause,
         )
         buffer.close()  # what still arrives is received and discarded until every generator ends

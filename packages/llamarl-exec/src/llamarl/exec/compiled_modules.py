@@ -33,14 +33,20 @@ AUTO_MIN_PARAMETERS = 50_000_000
 """`auto` compiles models from this size: below it the one-time compile costs more than it saves."""
 
 
+def refuse_compile_under_fsdp2(setting: CompileMode, *, sharded: bool) -> None:
+    """Raises ValueError (one line) for `on` with FSDP2: under it the parameters are swapped for gathered
+    ones at every forward, untested with compiled modules. (The run config checks it when it loads.)"""
+    if setting == "on" and sharded:
+        raise ValueError("trainer.compile on is not supported with FSDP2 (several trainer ranks); use auto")
+
+
 def wants_compile(setting: CompileMode, model: torch.nn.Module, device: str, *, sharded: bool) -> bool:
     """Whether `compile_modules` should run for a trainer with this setting (`TrainerConfig.compile`).
 
-    auto: a CPU model of AUTO_MIN_PARAMETERS or more on one trainer rank (measured there; under FSDP2
-    the parameters are swapped for gathered ones at every forward, untested with compiled modules).
+    auto: a CPU model of AUTO_MIN_PARAMETERS or more on one trainer rank (measured there); `on` under
+    FSDP2 is refused (`refuse_compile_under_fsdp2`).
     """
-    if setting == "on" and sharded:
-        raise ValueError("trainer.compile=on is not supported with FSDP2 (several trainer ranks); use auto")
+    refuse_compile_under_fsdp2(setting, sharded=sharded)
     if setting != "auto":
         return setting == "on"
     size = sum(p.numel() for p in model.parameters())
