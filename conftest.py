@@ -30,7 +30,7 @@ SETUP_SCRIPT = Path(__file__).resolve().parent / "tools" / "setup_vllm_env.sh"
 def pytest_collection_finish(session: pytest.Session) -> None:
     if not any(item.get_closest_marker("vllm") for item in session.items):
         return
-    from llamarl.exec.vllm_env import VLLM_PYTHON_ENV, VLLMEnvironmentError, find_vllm_python
+    from llamarl.exec.generate.vllm.env import VLLM_PYTHON_ENV, VLLMEnvironmentError, find_vllm_python
 
     try:
         find_vllm_python()

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from llamarl.control import RunConfig, Task
-from llamarl.control.run import main as run_main
+from llamarl.control.entry import main as run_main
 from llamarl.control.tasks import Hub, hub_unavailable_reason
 
 EMBEDDED_DATA = Path(__file__).resolve().parent / "data"  # compressed copies shipped with the apps

@@ -1,18 +1,13 @@
-"""The retry app's environment (apps/retry_rl, the CPU multi-turn learning recipe): each wrong answer
+"""The retry app's environment (apps/retry_rl, the CPU multi-turn learning recipe;
+llamarl.control.tasks.retry): each wrong answer
 gets feedback and another try, the score is 1 / the right try, 0 after three wrong ones."""
 
 from __future__ import annotations
 
-import sys
-
-from test_rl_apps import REPO
-
-sys.path.insert(0, str(REPO / "apps" / "retry_rl"))
-
-from retry_task import MAX_TRIES, TASK, TRY_AGAIN, RetryEnvironment
-
 from llamarl.control.tasks import load_rows
-from llamarl.exec.environments import Finish, ModelTurn, Reply
+from llamarl.control.tasks.retry import MAX_TRIES, TRY_AGAIN, RetryEnvironment
+from llamarl.control.tasks.retry import RETRY as TASK
+from llamarl.exec.multiturn.environments import Finish, ModelTurn, Reply
 
 
 def turn(text: str, index: int) -> ModelTurn:

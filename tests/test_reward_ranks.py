@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from test_rl_apps import read_step_metrics, run_app
 
-from llamarl.control.timeline import read_chrome_trace
+from llamarl.control.outputs.timeline import read_chrome_trace
 
 REWARD_RANK = 2  # trainer 0, generator 1, reward 2
 

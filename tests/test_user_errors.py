@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from llamarl.control.checkpoint import find_latest
+from llamarl.control.run.checkpoint import find_latest
 
 REPO = Path(__file__).resolve().parents[1]
 

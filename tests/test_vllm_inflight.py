@@ -118,7 +118,7 @@ class _Abandon(Exception):
 
 def _generator_rank(rdv, model_dir: str, vllm_python: str) -> dict:
     from llamarl.exec import GeneratorConfig, SamplingConfig, VLLMGenerator, WeightsNotSyncedError
-    from llamarl.exec.vllm_generator import EngineError
+    from llamarl.exec.generate.vllm.generator import EngineError
 
     prompts = _prompts(model_dir)
     gen = VLLMGenerator(

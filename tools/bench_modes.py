@@ -9,7 +9,7 @@ and train time per batch, the weight sync, the best step time the schedule can r
 times (max(generate, train) + sync when they overlap, their sum in sync mode) and the step time over it,
 the train time over the bf16 FLOP floor of the step, the staleness figures, and the memory of every
 process of the run (ranks, engines, reward workers, launcher) against TRL's, two ways
-(`llamarl.control.memory`): the sum of per-process peak RSS (each process counts the library pages it
+(`llamarl.control.launch.memory`): the sum of per-process peak RSS (each process counts the library pages it
 shares with the others in full) and the largest PSS of them all at once (shared pages counted once).
 
 The bf16 FLOP floor of a training step: 6 x parameters x tokens forwarded (each group's prompt once plus

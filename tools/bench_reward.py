@@ -50,7 +50,7 @@ def run(mode: str, placement: str, args: argparse.Namespace, out: Path) -> dict:
 def overlaps(trace: Path) -> dict[str, float]:
     """Fractions of the reward model's scoring time (its `reward_model` spans, on every lane) that
     overlapped generation (the generators' `generate` spans) and training (the trainer's `train`)."""
-    from llamarl.control.timeline import overlap_fraction, read_chrome_trace
+    from llamarl.control.outputs.timeline import overlap_fraction, read_chrome_trace
 
     spans, roles = read_chrome_trace(trace)
     scoring = [s for lane in spans.values() for s in lane if s.name == "reward_model" and s.tick >= 0]

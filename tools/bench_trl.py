@@ -12,7 +12,7 @@ defaults otherwise: DAPO loss, no KL, activation checkpointing on). `--precision
 (`bf16=True`: autocast over float32 weights), `fp32` turns it off. Figures: the training loop's wall
 time (`trainer.train()`, after the model is loaded), completion tokens generated per second over it (the
 completions' mean length from TRL's own per-step log), and the peak RSS of every process of the run
-(llamarl.control.memory, as llamarl's runs count theirs).
+(llamarl.control.launch.memory, as llamarl's runs count theirs).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def main() -> int:
     p.add_argument("--json", type=Path, help="also write the figures here")
     args = p.parse_args()
 
-    from llamarl.control.memory import ProcessTreeMemory, memory_summary
+    from llamarl.control.launch.memory import ProcessTreeMemory, memory_summary
 
     memory = ProcessTreeMemory("trl trainer", at_once=True).start()  # before anything is loaded
     try:
@@ -50,7 +50,8 @@ def main() -> int:
     except ImportError as error:
         raise SystemExit("TRL is needed: uv run --with trl==1.16.0 tools/bench_trl.py ...") from error
 
-    from llamarl.control.tasks import TASKS, load_rows
+    from llamarl.control.tasks import load_rows
+    from llamarl.control.tasks.registry import TASKS
     from llamarl.exec import gsm8k_reward, smollm2_path
 
     task = TASKS["gsm8k"]

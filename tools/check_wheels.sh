@@ -5,10 +5,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-$(mktemp -d)}
 mkdir -p "$out/wheels"
-for pkg in comm algo exec control; do
+for pkg in comm algo exec control sim; do
   (cd "packages/llamarl-$pkg" && uv build --quiet --wheel --out-dir "$out/wheels")
 done
-for pkg in comm algo exec control; do
+for pkg in comm algo exec control sim; do
   venv="$out/venv-$pkg"
   uv venv --quiet -p 3.11 "$venv"
   # --find-links serves the sibling llamarl wheels a package depends on; everything else comes from

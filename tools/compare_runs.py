@@ -12,7 +12,7 @@ import math
 import sys
 from pathlib import Path
 
-from llamarl.control.report import draw, load_run
+from llamarl.control.outputs.report import draw, load_run
 
 FIGURES = (  # summary.json key, label
     ("step_time_s", "step time (s)"),

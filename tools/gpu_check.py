@@ -9,7 +9,7 @@ download):
     sync     a weight sync trainer (FSDP2 on the GPU) -> HF generator (on the GPU, another process)
              through the app's weight channel (llamarl.comm); every tensor compared bitwise; GB/s
              against a device-to-device copy of the same bytes
-    dcp      a checkpoint round trip of the trainer through DCP (llamarl.control.checkpoint): save,
+    dcp      a checkpoint round trip of the trainer through DCP (llamarl.control.run.checkpoint): save,
              train on, load, compare model and optimizer bitwise
     app      the arith app, trainer and generator sharing the GPU (ranks.colocate), in async and in
              stream mode for a few steps
@@ -131,9 +131,9 @@ def _sync(device: torch.device) -> None:
 
 
 def _trainer(model_dir: Path, device: torch.device, group, *, steps: int = 4):
-    from llamarl.control.devices import trainer_compute_dtype
+    from llamarl.control.launch.devices import trainer_compute_dtype
     from llamarl.exec.config import AlgorithmConfig, TrainerConfig
-    from llamarl.exec.trainer import PolicyTrainer
+    from llamarl.exec.train.trainer import PolicyTrainer
 
     trainer = PolicyTrainer(
         str(model_dir),
@@ -153,7 +153,7 @@ def _trainer(model_dir: Path, device: torch.device, group, *, steps: int = 4):
 def _fsdp_rank(rank: int, world_size: int, rendezvous, model_dir: str, cpu: bool) -> list[dict]:
     import torch.distributed as dist
 
-    from llamarl.control.devices import group_backend
+    from llamarl.control.launch.devices import group_backend
 
     device = _device(cpu)
     if device.type == "cuda":
@@ -208,11 +208,11 @@ def _digest(state: dict[str, torch.Tensor]) -> dict[str, str]:
 def _sync_rank(rank: int, world_size: int, rendezvous, model_dir: str, cpu: bool) -> dict:
     import torch.distributed as dist
 
-    from llamarl.control.channels.weights import connect_generator, open_sender, weight_channel_address
     from llamarl.control.config import WeightSyncConfig
-    from llamarl.control.devices import generation_dtype, group_backend, weight_wire_dtype
+    from llamarl.control.launch.devices import generation_dtype, group_backend, weight_wire_dtype
+    from llamarl.control.run.channels.weights import connect_generator, open_sender, weight_channel_address
     from llamarl.exec.config import SamplingConfig
-    from llamarl.exec.hf_generator import HFGenerator
+    from llamarl.exec.generate.hf import HFGenerator
 
     device = _device(cpu)
     if device.type == "cuda":
@@ -296,8 +296,8 @@ def check_sync(model_dir: Path, cpu: bool) -> list[dict]:
 def _dcp_rank(rank: int, world_size: int, rendezvous, model_dir: str, folder: str, cpu: bool) -> dict:
     import torch.distributed as dist
 
-    from llamarl.control import checkpoint as ckpt
-    from llamarl.control.devices import group_backend
+    from llamarl.control.launch.devices import group_backend
+    from llamarl.control.run import checkpoint as ckpt
 
     device = _device(cpu)
     if device.type == "cuda":

@@ -8,7 +8,7 @@
 #
 # Where: by default a cache folder outside any checkout, named after what it installs, so CI (a fresh
 # clone each run) builds it once and reuses it: ~/.cache/llamarl/<name below> ($LLAMARL_CACHE_DIR
-# overrides ~/.cache/llamarl). llamarl.exec.vllm_env.DEFAULT_VLLM_ENV_NAME must equal ENV_NAME.
+# overrides ~/.cache/llamarl). llamarl.exec.generate.vllm.env.DEFAULT_VLLM_ENV_NAME must equal ENV_NAME.
 # Nothing of llamarl is installed in it: the engine process gets this checkout's llamarl.comm through
 # PYTHONPATH, so one cached environment serves every checkout.
 #

@@ -4,14 +4,14 @@
 - `from-run OUTPUT_DIR [--compare RUN ...]`: a measured run predicted in other modes and rank counts.
 - `plan --model 8b --gpus 64`: the generator/trainer split and schedule to run, with step times.
 
-The simulator itself is `llamarl.control.simulator` (docs/simulator.md).
+The simulator itself is `llamarl.sim` (docs/simulator.md).
 """
 
 from __future__ import annotations
 
 import sys
 
-from llamarl.control.simulator.cli import main
+from llamarl.sim.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -70,9 +70,9 @@ def policy_completions(model_dir: str, task, examples, count: int, max_new_token
     """`count` completions the policy samples on training questions, labelled by the task's rule reward."""
     from transformers import AutoTokenizer
 
-    from llamarl.control.prompts import TaskPrompts
+    from llamarl.control.tasks.prompts import TaskPrompts
     from llamarl.exec import HFGenerator, SamplingConfig
-    from llamarl.exec.rewards import as_rewards, score_samples
+    from llamarl.exec.reward.functions import as_rewards, score_samples
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = TaskPrompts(task, examples, tokenizer)
@@ -151,10 +151,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from llamarl.control.tasks import TASKS, load_rows
+    from llamarl.control.tasks import load_rows
+    from llamarl.control.tasks.registry import TASKS
     from llamarl.exec.models import smollm2_path, tiny_reward_model
-    from llamarl.exec.reward_model import reference_guided
-    from llamarl.exec.rewards import extract_gsm8k_answer
+    from llamarl.exec.reward.functions import extract_gsm8k_answer
+    from llamarl.exec.reward.model import reference_guided
 
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)

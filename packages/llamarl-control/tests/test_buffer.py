@@ -12,8 +12,8 @@ import types
 import pytest
 import torch
 
-from llamarl.control.channels import buffer as buffer_module
-from llamarl.control.channels.buffer import BufferClosed, BufferTimeout, RolloutBuffer
+from llamarl.control.run.channels import buffer as buffer_module
+from llamarl.control.run.channels.buffer import BufferClosed, BufferTimeout, RolloutBuffer
 from llamarl.exec.types import RolloutBatch
 
 pytestmark = pytest.mark.timeout(60)

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from llamarl.comm.testing import run_distributed
-from llamarl.control.channels.rollouts import concat_rollouts, recv_rollouts, send_rollouts
+from llamarl.control.run.channels.rollouts import concat_rollouts, recv_rollouts, send_rollouts
 from llamarl.exec.types import RolloutBatch
 
 

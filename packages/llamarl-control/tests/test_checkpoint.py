@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from llamarl.comm.testing import run_distributed
-from llamarl.control import checkpoint as ckpt
+from llamarl.control.run import checkpoint as ckpt
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from llamarl.comm.testing import run_distributed
 from llamarl.control.config import ConfigError, RunConfig
-from llamarl.control.devices import (
+from llamarl.control.launch.devices import (
     CUDA_GROUP_BACKEND,
     check_placement,
     group_backend,
@@ -21,9 +21,9 @@ from llamarl.control.devices import (
     weight_sync_backend,
 )
 from llamarl.exec.config import SamplingConfig
-from llamarl.exec.vllm_env import engine_env
-from llamarl.exec.vllm_generator import VLLMGenerator
-from llamarl.exec.vllm_server import llm_kwargs, parse_args
+from llamarl.exec.generate.vllm.env import engine_env
+from llamarl.exec.generate.vllm.generator import VLLMGenerator
+from llamarl.exec.generate.vllm.server import llm_kwargs, parse_args
 
 
 def config(**sections) -> RunConfig:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from llamarl.control.evaluation import EvalResult, paired_delta_ci
+from llamarl.control.run.evaluation import EvalResult, paired_delta_ci
 
 
 def test_a_consistent_improvement_has_an_interval_above_zero():
@@ -74,7 +74,7 @@ def test_waiting_ranks_wait_as_long_as_the_evaluation_makes_progress_and_no_long
     import threading
     import time
 
-    from llamarl.control.evaluation import EvalProgress
+    from llamarl.control.run.evaluation import EvalProgress
 
     store = _Counters()
 
@@ -104,7 +104,7 @@ def test_waiting_ranks_wait_as_long_as_the_evaluation_makes_progress_and_no_long
 
 
 def test_progress_counts_one_per_beat_at_most_every_beat_s_and_one_per_done():
-    from llamarl.control.evaluation import EvalProgress
+    from llamarl.control.run.evaluation import EvalProgress
 
     store = _Counters()
     progress = EvalProgress(store, 7)  # the default: at most one beat a second

@@ -12,8 +12,8 @@ import torch
 
 from llamarl.algo import dapo_loss, group_mean_advantages, ppo_clip_loss, rloo_advantages
 from llamarl.control.cli import parse_run_config
-from llamarl.control.generator_side import GeneratorSide
-from llamarl.control.trainer_side import TrainerSide
+from llamarl.control.run.generator_side import GeneratorSide
+from llamarl.control.run.trainer_side import TrainerSide
 from llamarl.exec import VLLMGenerator
 from llamarl.exec.models import tiny_model
 from llamarl.exec.types import RolloutBatch

@@ -5,7 +5,7 @@ import subprocess
 import sys
 import textwrap
 
-from llamarl.control.failures import describe_killed
+from llamarl.control.launch.failures import describe_killed
 
 
 def test_a_killed_rank_is_named_with_its_executor_when_known():
@@ -28,7 +28,7 @@ def test_an_interrupt_that_comes_during_a_finalizer_still_stops_the_rank():
     script = textwrap.dedent(
         """
         import os, signal, sys, time
-        from llamarl.control.failures import Interrupted, raise_on_interrupt
+        from llamarl.control.launch.failures import Interrupted, raise_on_interrupt
 
         raise_on_interrupt()
 

@@ -12,7 +12,7 @@ import io
 import pytest
 import torch
 
-from llamarl.control.in_flight import InFlightRequest
+from llamarl.control.run.in_flight import InFlightRequest
 from llamarl.exec import HFGenerator, SamplingConfig
 from llamarl.exec.models import tiny_model
 from llamarl.exec.types import GenerationPaused, PauseGeneration

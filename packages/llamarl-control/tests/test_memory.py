@@ -10,7 +10,7 @@ import psutil
 import pytest
 
 from llamarl.comm.testing import wait_until
-from llamarl.control.memory import ProcessTreeMemory, memory_summary, own_peak
+from llamarl.control.launch.memory import ProcessTreeMemory, memory_summary, own_peak
 
 # A child that touches 300 MB, frees it, then idles: its peak is far above what it holds at the end.
 CHILD = (
@@ -45,7 +45,7 @@ def test_spawned_workers_are_told_from_the_resource_tracker_by_what_they_run():
     # reward worker is still a worker, and only the tracker itself is the tracker.
     import multiprocessing as mp
 
-    from llamarl.control.memory import describe_process
+    from llamarl.control.launch.memory import describe_process
 
     ctx = mp.get_context("spawn")
     warnoptions = list(sys.warnoptions)

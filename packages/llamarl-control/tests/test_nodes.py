@@ -7,7 +7,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from llamarl.comm.testing import free_port
-from llamarl.control.nodes import Node, NodeWatch, describe_lost
+from llamarl.control.launch.nodes import Node, NodeWatch, describe_lost
 
 
 def env(node: int, port: int, *, num_nodes: int = 3, ranks_per_node: int = 2) -> dict[str, str]:

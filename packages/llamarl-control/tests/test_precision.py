@@ -8,7 +8,12 @@ import pytest
 import torch
 
 from llamarl.control.config import RunConfig
-from llamarl.control.devices import bf16_is_fast, resolve_precision, trainer_compute_dtype, weight_wire_dtype
+from llamarl.control.launch.devices import (
+    bf16_is_fast,
+    resolve_precision,
+    trainer_compute_dtype,
+    weight_wire_dtype,
+)
 
 CPU = torch.device("cpu")
 

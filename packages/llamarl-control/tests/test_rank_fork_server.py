@@ -9,8 +9,8 @@ import time
 
 import psutil
 
-from llamarl.control import launcher
-from llamarl.control.failures import rank_processes
+from llamarl.control.launch import launcher
+from llamarl.control.launch.failures import rank_processes
 
 # Targets are library functions: a forked child finds them by module name (this test module's name is
 # not importable there).

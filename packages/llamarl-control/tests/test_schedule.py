@@ -15,14 +15,14 @@ import time
 import pytest
 import torch
 
-from llamarl.control.channels.buffer import RolloutBuffer
-from llamarl.control.channels.stream import RolloutOutbox, StreamControl, drain_into_buffer
 from llamarl.control.config import ScheduleConfig
-from llamarl.control.generator_loop import GeneratorLoop
-from llamarl.control.prompts import PromptStream
-from llamarl.control.schedule import lockstep_ticks, stream_admits
-from llamarl.control.timeline import Timeline
-from llamarl.control.trainer_loop import PolicyLagError, TrainerLoop
+from llamarl.control.outputs.timeline import Timeline
+from llamarl.control.run.channels.buffer import RolloutBuffer
+from llamarl.control.run.channels.stream import RolloutOutbox, StreamControl, drain_into_buffer
+from llamarl.control.run.generator_loop import GeneratorLoop
+from llamarl.control.run.schedule import lockstep_ticks, stream_admits
+from llamarl.control.run.trainer_loop import PolicyLagError, TrainerLoop
+from llamarl.control.tasks.prompts import PromptStream
 from llamarl.exec.config import SamplingConfig
 from llamarl.exec.types import GenerationPaused, PauseGeneration, RolloutBatch
 
@@ -305,7 +305,7 @@ def test_lockstep_plans_are_what_the_docstring_says():
 
 
 def test_an_async_run_generates_alone_first_and_trains_alone_last():
-    # (the ticks where the side at work borrows the waiting side's cores, llamarl.control.threads)
+    # (the ticks where the side at work borrows the waiting side's cores, llamarl.control.launch.threads)
     sides = [set(t.working_sides()) for t in lockstep_ticks("async", 3)]
     assert sides == [{"generators"}, {"generators", "trainers"}, {"generators", "trainers"}, {"trainers"}]
     assert all(t.working_sides() == {"generators", "trainers"} for t in lockstep_ticks("sync", 3))
@@ -455,7 +455,7 @@ def test_stream_admission_holds_a_fast_generator_back_so_no_group_goes_stale():
 
 
 def borrowing(events: list[str]):
-    """A stand-in for `llamarl.control.threads.borrowed_cores`: logs where it starts and ends."""
+    """A stand-in for `llamarl.control.launch.threads.borrowed_cores`: logs where it starts and ends."""
 
     @contextlib.contextmanager
     def borrowed():

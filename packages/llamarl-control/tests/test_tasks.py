@@ -7,7 +7,9 @@ import re
 
 import pytest
 
-from llamarl.control.tasks import GSM8K, MATH, DataError, load_rows
+from llamarl.control.tasks import DataError, load_rows
+from llamarl.control.tasks.gsm8k import GSM8K
+from llamarl.control.tasks.math import MATH
 from llamarl.exec.testing import shared_data_dir
 
 
@@ -87,8 +89,8 @@ def test_shared_math_copy_loads_despite_its_empty_answer_rows(caplog):
 
 
 def test_arithmetic_task_holds_out_whole_operand_pairs():
-    from llamarl.control.tasks import ARITH
-    from llamarl.exec.rewards import gsm8k_reward
+    from llamarl.control.tasks.arith import ARITH
+    from llamarl.exec.reward.functions import gsm8k_reward
 
     question = lambda e: e["question"]  # noqa: E731
     train, test = load_rows(ARITH, None, "train"), load_rows(ARITH, None, "test")
@@ -165,7 +167,7 @@ NOT_A_TASK = 3
 
 
 def test_a_users_module_task_loads_by_file_and_checks_its_rows(tmp_path):
-    from llamarl.control.task_registry import load_task
+    from llamarl.control.tasks.registry import load_task
 
     (tmp_path / "shout_task.py").write_text(USER_TASK)
     task = load_task(None, f"{tmp_path / 'shout_task.py'}:TASK")
@@ -220,7 +222,7 @@ def test_a_lambda_reward_is_refused_with_the_fix():
 
 def test_rows_from_a_function_and_weighted_rewards():
     from llamarl.control.tasks import Task
-    from llamarl.exec.rewards import Reward, score_samples
+    from llamarl.exec.reward.functions import Reward, score_samples
     from llamarl.exec.testing import length_reward
 
     task = Task(
@@ -238,13 +240,13 @@ def test_rows_from_a_function_and_weighted_rewards():
 
 
 def arithmetic_rows_for_test(split):
-    from llamarl.control.arithmetic import arithmetic_rows
+    from llamarl.control.tasks.arith import arithmetic_rows
 
     return arithmetic_rows(split)
 
 
 def test_reasoning_gym_tasks_by_name_make_rows_offline_and_score_with_its_verifier():
-    from llamarl.control.task_registry import load_task
+    from llamarl.control.tasks.registry import load_task
 
     task = load_task("reasoning_gym:basic_arithmetic")
     train, test = load_rows(task, None, "train"), load_rows(task, None, "test")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from llamarl.control.config import RunConfig
-from llamarl.control.threads import borrowed_cores, busy_threads, default_threads, rank_threads
+from llamarl.control.launch.threads import borrowed_cores, busy_threads, default_threads, rank_threads
 
 
 def config(mode: str, num_generators: int = 1, **ranks) -> RunConfig:

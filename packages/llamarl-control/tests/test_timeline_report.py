@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from llamarl.control.report import load_run, phase_seconds_per_tick, write_report
-from llamarl.control.timeline import Span, Timeline, read_chrome_trace, write_chrome_trace
+from llamarl.control.outputs.report import load_run, phase_seconds_per_tick, write_report
+from llamarl.control.outputs.timeline import Span, Timeline, read_chrome_trace, write_chrome_trace
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -112,7 +112,7 @@ def test_a_folder_without_a_finished_run_is_a_clear_error(tmp_path):
 
 
 def test_overlap_fraction_counts_shared_time_once():
-    from llamarl.control.timeline import Span, overlap_fraction
+    from llamarl.control.outputs.timeline import Span, overlap_fraction
 
     scoring = [Span("reward_model", 0.0, 4.0, 0), Span("reward_model", 10.0, 12.0, 1)]
     # 1..3 and 2..3.5 overlap each other: 1..3.5 shared with the first span; 11..20 with the second

@@ -1,4 +1,4 @@
-"""torch.compile of the trainer's RMSNorm and MLP modules (llamarl.exec.compiled_modules), for real
+"""torch.compile of the trainer's RMSNorm and MLP modules (llamarl.exec.train.compiled_modules), for real
 (inductor, the machine's C++ compiler) on the tiny model: the same loss, gradients and step as eager."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llamarl.exec.compiled_modules import AUTO_MIN_PARAMETERS, compile_modules, wants_compile
 from llamarl.exec.models import tiny_model
 from llamarl.exec.testing import TINY_EOS_TOKEN_ID, build_trainer
+from llamarl.exec.train.compiled_modules import AUTO_MIN_PARAMETERS, compile_modules, wants_compile
 from llamarl.exec.types import RolloutBatch
 
 PROMPTS = [[1, 5, 9, 13, 17], [1, 7]]
@@ -75,7 +75,7 @@ def test_auto_compiles_large_cpu_models_on_one_rank_only():
 
 
 def test_a_compile_that_fails_is_one_line_when_asked_for_and_eager_otherwise(monkeypatch, caplog):
-    from llamarl.exec import compiled_modules
+    from llamarl.exec.train import compiled_modules
 
     def broken(module: torch.nn.Module) -> None:
         raise RuntimeError("no C++ compiler found\nmore detail")

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from llamarl.exec.config import SamplingConfig
-from llamarl.exec.episodes import ChatGlue, Episode, EpisodeLimits, episodes_to_batch, run_episodes
-from llamarl.exec.hf_generator import HFGenerator
+from llamarl.exec.generate.hf import HFGenerator
+from llamarl.exec.multiturn.episodes import ChatGlue, Episode, EpisodeLimits, episodes_to_batch, run_episodes
 from llamarl.exec.testing import FeedbackEnvironment, build_trainer, save_tiny_chat_model
 
 pytestmark = pytest.mark.timeout(240)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from llamarl.exec import HFGenerator, SamplingConfig
-from llamarl.exec.hf_generator import draw_tokens
+from llamarl.exec.generate.hf import draw_tokens
 from llamarl.exec.testing import TINY_EOS_TOKEN_ID as EOS_TOKEN_ID
 from llamarl.exec.testing import TINY_PAD_TOKEN_ID as PAD_TOKEN_ID
 from llamarl.exec.testing import TINY_VOCAB_SIZE as VOCAB_SIZE

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from llamarl.exec.kv_cache import ReservedLayer, reserve
+from llamarl.exec.generate.kv_cache import ReservedLayer, reserve
 
 PROMPT_BP = torch.tensor([[1, 5, 9, 4, 7], [3, 3, 8, 2, 6]])
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from llamarl.exec.lr_schedules import lr_factor
+from llamarl.exec.train.lr_schedules import lr_factor
 
 
 def test_warmup_then_each_schedule():

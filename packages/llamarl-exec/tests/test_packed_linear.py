@@ -1,5 +1,5 @@
-"""Packed linear layers (`llamarl.exec.packed_linear`): the same numbers as `F.linear`, repacked after the
-weights change, ordinary linear layers where a gradient is wanted."""
+"""Packed linear layers (`llamarl.exec.generate.packed_linear`): the same numbers as `F.linear`, repacked
+after the weights change, ordinary linear layers where a gradient is wanted."""
 
 from __future__ import annotations
 
@@ -7,7 +7,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from llamarl.exec.packed_linear import PackedLinear, pack_linear_layers, packing_works, weights_changed
+from llamarl.exec.generate.packed_linear import (
+    PackedLinear,
+    pack_linear_layers,
+    packing_works,
+    weights_changed,
+)
 
 
 def _logits(model: torch.nn.Module, ids_BT: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ from llamarl.exec import (
     tiny_model,
     tiny_reward_model,
 )
-from llamarl.exec.reward_model import combine_rewards
+from llamarl.exec.reward.model import combine_rewards
 
 QUESTIONS = ["What is 2 + 3?", "Add 4 and 4.", "How much is 9 plus 1?", "Compute 7 + 0."]
 COMPLETIONS = ["5", "The sum of 4 and 4 is 8, so the answer is 8.", "It is 11.", "7 + 0 = 7"]

@@ -97,7 +97,7 @@ def test_a_slow_sample_times_out_and_its_worker_is_replaced():
 
 def test_a_failing_verifier_scores_zero_with_a_warning(caplog):
     with (
-        caplog.at_level(logging.WARNING, logger="llamarl.exec.reward_pool"),
+        caplog.at_level(logging.WARNING, logger="llamarl.exec.reward.pool"),
         ProcessRewarder([failing_reward], RewardConfig(num_workers=2, timeout_s=30)) as rewarder,
     ):
         scores = _score(rewarder, ["raise", "ok", "die", "ok", "text"])

@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from llamarl.exec.environments import Finish, ModelTurn, Reply, ToolEnvironment
-from llamarl.exec.sandbox import Limits
+from llamarl.exec.multiturn.environments import Finish, ModelTurn, Reply, ToolEnvironment
+from llamarl.exec.multiturn.sandbox import Limits
+from llamarl.exec.multiturn.tools import Calculator, FunctionTool, PythonTool, ToolCall, parse_tool_calls
 from llamarl.exec.testing import lookup_capital
-from llamarl.exec.tools import Calculator, FunctionTool, PythonTool, ToolCall, parse_tool_calls
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -150,7 +150,7 @@ def test_packed_micro_batches_match_the_padded_path(tiny_model_dir, batch, monke
     gradients (the same function of the same tokens; only the order of float sums differs). Packed rows
     go through the per-segment (varlen) attention, with the micro-batch's segments; with shared prompts
     a group's prompt is laid once and its samples' completions branch off it."""
-    from llamarl.exec import varlen_attention
+    from llamarl.exec.train import varlen_attention
 
     lengths = batch.completion_mask_BC.sum(1)
     assert lengths.min() < lengths.max(), "the rollout should have uneven completion lengths"
@@ -205,7 +205,7 @@ def test_packed_micro_batches_match_the_padded_path(tiny_model_dir, batch, monke
 
 
 def test_token_budget_keeps_order_and_isolates_long_sequences():
-    from llamarl.exec.packing import token_budget_rows
+    from llamarl.exec.train.packing import token_budget_rows
 
     assert token_budget_rows([3, 4, 2, 9, 1, 1], 7) == [slice(0, 2), slice(2, 3), slice(3, 4), slice(4, 6)]
     assert token_budget_rows([], 5) == []
@@ -214,7 +214,7 @@ def test_token_budget_keeps_order_and_isolates_long_sequences():
 
 
 def test_token_budget_counts_a_shared_prompt_again_where_a_micro_batch_opens_mid_group():
-    from llamarl.exec.packing import token_budget_rows
+    from llamarl.exec.train.packing import token_budget_rows
 
     # One group: a 10-token prompt, five 2-token completions; shared, the samples after the first cost 2.
     shared, alone = [12, 2, 2, 2, 2], [12] * 5
@@ -226,7 +226,7 @@ def test_token_budget_counts_a_shared_prompt_again_where_a_micro_batch_opens_mid
 
 
 def test_balanced_rows_give_exactly_the_parts_asked():
-    from llamarl.exec.packing import balanced_rows
+    from llamarl.exec.train.packing import balanced_rows
 
     assert balanced_rows([5, 5, 5, 5], 2) == [slice(0, 2), slice(2, 4)]
     assert balanced_rows([100, 1, 1, 1], 3) == [slice(0, 1), slice(1, 2), slice(2, 4)]

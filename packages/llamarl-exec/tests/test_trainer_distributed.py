@@ -45,7 +45,7 @@ def _single_rank_grads(model_dir: str, batch) -> tuple[dict[str, torch.Tensor], 
 def _grad_worker(rank: int, world_size: int, rdv, model_dir: str, batch, overrides: dict):
     import torch.distributed as dist
 
-    from llamarl.exec.parallel import full_tensor
+    from llamarl.exec.train.parallel import full_tensor
 
     dist.init_process_group("gloo", init_method=rdv.init_method, rank=rank, world_size=world_size)
     group = dist.new_group(list(range(NUM_TRAINERS)))  # the trainer ranks' own group, as in the app
@@ -59,7 +59,7 @@ def _grad_worker(rank: int, world_size: int, rdv, model_dir: str, batch, overrid
 
 def _budget_with_unequal_micro_batches(batch) -> int:
     """A token budget that gives the two ranks' parts different numbers of packed micro-batches."""
-    from llamarl.exec.packing import sequence_lengths, token_budget_rows
+    from llamarl.exec.train.packing import sequence_lengths, token_budget_rows
 
     for budget in range(8, 80):
         counts = set()

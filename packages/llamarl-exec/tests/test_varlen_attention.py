@@ -1,4 +1,4 @@
-"""Per-segment attention of packed rows (llamarl.exec.varlen_attention) against padded rows, on a tiny
+"""Per-segment attention of packed rows (llamarl.exec.train.varlen_attention) against padded rows, on a tiny
 real transformers Llama (grouped-query attention: 4 query heads, 2 key/value heads)."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import pytest
 import torch
 from transformers import AttentionInterface
 
-from llamarl.exec import varlen_attention
 from llamarl.exec.models import tiny_model
-from llamarl.exec.varlen_attention import VARLEN_ATTENTION, Segment, lengths_from_positions
+from llamarl.exec.train import varlen_attention
+from llamarl.exec.train.varlen_attention import VARLEN_ATTENTION, Segment, lengths_from_positions
 
 LENGTHS = [7, 19, 3, 12]  # four sequences of different lengths in one packed row (T = 41)
 

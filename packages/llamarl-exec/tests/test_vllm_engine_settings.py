@@ -11,10 +11,10 @@ import sys
 import pytest
 
 from llamarl.exec.config import GeneratorConfig, SamplingConfig
+from llamarl.exec.generate.vllm.env import VLLMEnvironmentError, engine_env, find_vllm_python, visible_device
+from llamarl.exec.generate.vllm.generator import VLLMGenerator
+from llamarl.exec.generate.vllm.server import llm_kwargs, parse_args
 from llamarl.exec.testing import vllm_python_for_tests
-from llamarl.exec.vllm_env import VLLMEnvironmentError, engine_env, find_vllm_python, visible_device
-from llamarl.exec.vllm_generator import VLLMGenerator
-from llamarl.exec.vllm_server import llm_kwargs, parse_args
 
 EXTENSION = "llamarl.comm.adapters.vllm.WeightSyncWorkerExtension"
 

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoTokenizer
 
 from llamarl.exec import GeneratorConfig, SamplingConfig, VLLMGenerator, smollm2_path
-from llamarl.exec.episodes import ChatGlue, Episode, EpisodeLimits, episodes_to_batch, run_episodes
+from llamarl.exec.multiturn.episodes import ChatGlue, Episode, EpisodeLimits, episodes_to_batch, run_episodes
 from llamarl.exec.testing import FeedbackEnvironment, build_trainer, vllm_python_for_tests
 
 pytestmark = pytest.mark.timeout(600)

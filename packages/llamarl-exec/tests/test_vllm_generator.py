@@ -14,10 +14,10 @@ import torch
 from llamarl.comm import WeightSender, WeightSyncGroup
 from llamarl.comm.testing import free_port, wait_until
 from llamarl.exec import GeneratorConfig, PolicyTrainer, SamplingConfig, VLLMGenerator, smollm2_path
+from llamarl.exec.generate.vllm.env import VLLMEnvironmentError, find_vllm_python
+from llamarl.exec.generate.vllm.generator import EngineError
 from llamarl.exec.testing import build_trainer, vllm_python_for_tests
 from llamarl.exec.types import GenerationPaused, PauseGeneration
-from llamarl.exec.vllm_env import VLLMEnvironmentError, find_vllm_python
-from llamarl.exec.vllm_generator import EngineError
 
 TEMPERATURE = 0.7
 MAX_NEW_TOKENS = 24
@@ -389,7 +389,7 @@ def test_an_engine_killed_while_idle_is_lost_and_restarted_within_its_bound(mode
     import signal
     import time
 
-    from llamarl.exec.vllm_generator import EngineLost, WeightsNotSyncedError
+    from llamarl.exec.generate.vllm.generator import EngineLost, WeightsNotSyncedError
 
     gen = _generator(model_dir, max_engine_restarts=1)
     try:

@@ -1,6 +1,12 @@
-"""llamarl.control: the single controller: tasks and how to run them (`Task`, `train`, `main`), the run
-config, the two sides of a run, the channels between them, launch through torch elastic, checkpoints,
-evaluation and metrics.
+"""llamarl.control: the single controller. Its rooms:
+
+    config.py cli.py   the run config (one typed tree) and the command line and config files made from it
+    entry.py           `train` (from Python) and `main` (a command line): check everything, then launch
+    tasks/             what a run learns: the Task API, rows, the built-in tasks, the registry
+    launch/            starting the ranks (torch elastic), devices, threads, nodes, failures, memory
+    run/               what each rank does: the sides, their loops, the schedules, the channels,
+                       evaluation, checkpoints
+    outputs/           what a run writes: metrics, the summary, the trace, the report
 
 Public names load lazily (PEP 562), so reading a dataset or a config does not start torch.distributed.
 """
@@ -14,21 +20,21 @@ _EXPORTS = {
     "ConfigError": "config",
     "RunConfig": "config",
     "parse_run_config": "cli",
-    "RunFailed": "failures",
-    "RunInterrupted": "failures",
-    "launch": "launcher",
-    "train": "run",
-    "main": "run",
-    "GSM8K": "tasks",
-    "MATH": "tasks",
-    "TASKS": "tasks",
-    "DataError": "tasks",
-    "Hub": "tasks",
-    "Task": "tasks",
-    "TaskError": "tasks",
-    "load_rows": "tasks",
-    "load_task": "task_registry",
-    "reasoning_gym_task": "reasoning_gym",
+    "RunFailed": "launch.failures",
+    "RunInterrupted": "launch.failures",
+    "launch": "launch.launcher",
+    "train": "entry",
+    "main": "entry",
+    "GSM8K": "tasks.gsm8k",
+    "MATH": "tasks.math",
+    "TASKS": "tasks.registry",
+    "DataError": "tasks.task",
+    "Hub": "tasks.task",
+    "Task": "tasks.task",
+    "TaskError": "tasks.task",
+    "load_rows": "tasks.rows",
+    "load_task": "tasks.registry",
+    "reasoning_gym_task": "tasks.reasoning_gym",
 }
 
 __all__ = [
@@ -55,21 +61,15 @@ __all__ = [
 if TYPE_CHECKING:
     from llamarl.control.cli import parse_run_config
     from llamarl.control.config import ConfigError, RunConfig
-    from llamarl.control.failures import RunFailed, RunInterrupted
-    from llamarl.control.launcher import launch
-    from llamarl.control.reasoning_gym import reasoning_gym_task
-    from llamarl.control.run import main, train
-    from llamarl.control.task_registry import load_task
-    from llamarl.control.tasks import (
-        GSM8K,
-        MATH,
-        TASKS,
-        DataError,
-        Hub,
-        Task,
-        TaskError,
-        load_rows,
-    )
+    from llamarl.control.entry import main, train
+    from llamarl.control.launch.failures import RunFailed, RunInterrupted
+    from llamarl.control.launch.launcher import launch
+    from llamarl.control.tasks.gsm8k import GSM8K
+    from llamarl.control.tasks.math import MATH
+    from llamarl.control.tasks.reasoning_gym import reasoning_gym_task
+    from llamarl.control.tasks.registry import TASKS, load_task
+    from llamarl.control.tasks.rows import load_rows
+    from llamarl.control.tasks.task import DataError, Hub, Task, TaskError
 
 
 def __getattr__(name: str):

@@ -18,7 +18,6 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from llamarl.comm import DEAD_AFTER_S
-from llamarl.exec.compiled_modules import refuse_compile_under_fsdp2
 from llamarl.exec.config import (
     AlgorithmConfig,
     ConfigSection,
@@ -28,6 +27,7 @@ from llamarl.exec.config import (
     SamplingConfig,
     TrainerConfig,
 )
+from llamarl.exec.train.compiled_modules import refuse_compile_under_fsdp2
 
 __all__ = [
     "CheckpointConfig",
@@ -42,6 +42,10 @@ __all__ = [
     "WeightSyncConfig",
     "replace_in",
 ]
+
+
+Role = Literal["trainer", "generator", "reward"]
+"""What a rank runs: the trainer, a generator, or a reward model of its own."""
 
 
 class ConfigError(ValueError):
@@ -69,7 +73,7 @@ class TaskConfig(ConfigSection):
         # before any rank starts; a module's task gives the run its name.
         if not isinstance(data, dict):
             return data
-        from llamarl.control.task_registry import load_task
+        from llamarl.control.tasks.registry import load_task
 
         task = load_task(data.get("name"), data.get("module"))
         return {**data, "name": task.name} if data.get("module") else data
@@ -283,16 +287,38 @@ class RunConfig(ConfigSection):
         return self.ranks.num_trainers + self.ranks.num_generators + self.ranks.num_reward_ranks
 
     @property
+    def trainer_ranks(self) -> list[int]:
+        """The trainer ranks: the first ones (rank 0 logs and writes the summary)."""
+        return list(range(self.ranks.num_trainers))
+
+    @property
+    def generator_ranks(self) -> list[int]:
+        """The generator ranks, after the trainers."""
+        first = self.ranks.num_trainers
+        return list(range(first, first + self.ranks.num_generators))
+
+    @property
     def reward_ranks(self) -> list[int]:
         """The reward ranks, after the trainers and the generators."""
         first = self.ranks.num_trainers + self.ranks.num_generators
         return list(range(first, first + self.ranks.num_reward_ranks))
 
-    def role_of(self, rank: int) -> str:
-        """The executor on `rank`: trainer, generator or reward."""
-        if rank < self.ranks.num_trainers:
+    def role_of(self, rank: int) -> Role:
+        """The executor on `rank`: the one rule every part of a run asks (sides, devices, memory, the
+        trace, the launcher's messages)."""
+        if rank in self.trainer_ranks:
             return "trainer"
-        return "reward" if rank in self.reward_ranks else "generator"
+        if rank in self.generator_ranks:
+            return "generator"
+        if rank in self.reward_ranks:
+            return "reward"
+        raise ValueError(f"rank {rank} is not a rank of this run (world size {self.world_size})")
+
+    def rank_label(self, rank: int) -> str:
+        """How outputs name `rank`'s lane: "trainer" (one trainer rank) or "trainer 0", "generator 1",
+        "reward 3"."""
+        role = self.role_of(rank)
+        return role if role == "trainer" and self.ranks.num_trainers == 1 else f"{role} {rank}"
 
     def reward_rank_of(self, generator_rank: int) -> int | None:
         """The reward rank that scores `generator_rank`'s batches (generators dealt out in turn), or None

@@ -1,6 +1,13 @@
 """llamarl.exec: the executors (generator, trainer, rewarder) behind the Protocols of `llamarl.exec.types`.
 
-Public names are imported lazily (PEP 562): a reward worker process imports `llamarl.exec.rewards`
+    types.py config.py   the data that moves between executors and the Protocols; the executors' settings
+    generate/            sampling: the hf generator (in the rank) and the vLLM engine (vllm/)
+    multiturn/           episodes over several turns: environments, tools, the sandbox that runs them
+    train/               the policy trainer: log-probs, packing, FSDP2, mixed precision, schedules
+    reward/              reward functions, the worker processes that run them, reward models
+    models.py lora.py padding.py   shared by more than one of them
+
+Public names are imported lazily (PEP 562): a reward worker process imports `llamarl.exec.reward.functions`
 and must not pay for torch and transformers on every (re)start.
 """
 
@@ -15,30 +22,30 @@ _EXPORTS = {
     "Rewarder": "types",
     "ModelRewarder": "types",
     "Trainer": "types",
-    "HFGenerator": "hf_generator",
-    "VLLMGenerator": "vllm_generator",
-    "EngineError": "vllm_client",
-    "EngineLost": "vllm_client",
-    "WeightsNotSyncedError": "vllm_generator",
-    "PolicyTrainer": "trainer",
-    "ProcessRewarder": "reward_pool",
-    "RewardModelScorer": "reward_model",
-    "LLMJudge": "reward_model",
-    "RewardModelError": "reward_model",
-    "build_model_rewarder": "reward_model",
+    "HFGenerator": "generate.hf",
+    "VLLMGenerator": "generate.vllm.generator",
+    "EngineError": "generate.vllm.client",
+    "EngineLost": "generate.vllm.client",
+    "WeightsNotSyncedError": "generate.vllm.generator",
+    "PolicyTrainer": "train.trainer",
+    "ProcessRewarder": "reward.pool",
+    "RewardModelScorer": "reward.model",
+    "LLMJudge": "reward.model",
+    "RewardModelError": "reward.model",
+    "build_model_rewarder": "reward.model",
     "RewardModelConfig": "config",
     "AlgorithmConfig": "config",
     "GeneratorConfig": "config",
     "RewardConfig": "config",
     "SamplingConfig": "config",
     "TrainerConfig": "config",
-    "Reward": "rewards",
-    "gsm8k_answer": "rewards",
-    "math_answer": "rewards",
-    "gsm8k_reward": "rewards",
-    "math_reward": "rewards",
-    "extract_gsm8k_answer": "rewards",
-    "last_boxed": "rewards",
+    "Reward": "reward.functions",
+    "gsm8k_answer": "reward.functions",
+    "math_answer": "reward.functions",
+    "gsm8k_reward": "reward.functions",
+    "math_reward": "reward.functions",
+    "extract_gsm8k_answer": "reward.functions",
+    "last_boxed": "reward.functions",
     "load_model_and_tokenizer": "models",
     "smollm2_path": "models",
     "tiny_model": "models",
@@ -90,11 +97,11 @@ if TYPE_CHECKING:
         SamplingConfig,
         TrainerConfig,
     )
-    from llamarl.exec.hf_generator import HFGenerator
+    from llamarl.exec.generate.hf import HFGenerator
+    from llamarl.exec.generate.vllm.client import EngineError, EngineLost
+    from llamarl.exec.generate.vllm.generator import VLLMGenerator, WeightsNotSyncedError
     from llamarl.exec.models import load_model_and_tokenizer, smollm2_path, tiny_model, tiny_reward_model
-    from llamarl.exec.reward_model import LLMJudge, RewardModelError, RewardModelScorer, build_model_rewarder
-    from llamarl.exec.reward_pool import ProcessRewarder
-    from llamarl.exec.rewards import (
+    from llamarl.exec.reward.functions import (
         Reward,
         extract_gsm8k_answer,
         gsm8k_answer,
@@ -103,10 +110,10 @@ if TYPE_CHECKING:
         math_answer,
         math_reward,
     )
-    from llamarl.exec.trainer import PolicyTrainer
+    from llamarl.exec.reward.model import LLMJudge, RewardModelError, RewardModelScorer, build_model_rewarder
+    from llamarl.exec.reward.pool import ProcessRewarder
+    from llamarl.exec.train.trainer import PolicyTrainer
     from llamarl.exec.types import Generator, ModelRewarder, Rewarder, RolloutBatch, Trainer
-    from llamarl.exec.vllm_client import EngineError, EngineLost
-    from llamarl.exec.vllm_generator import VLLMGenerator, WeightsNotSyncedError
 
 
 def __getattr__(name: str):

@@ -16,7 +16,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from llamarl.algo import ADVANTAGE_NAMES, KL_ESTIMATORS, MISMATCH_MODES, POLICY_LOSS_NAMES, get_policy_loss
-from llamarl.exec.lr_schedules import LR_SCHEDULES
+from llamarl.exec.train.lr_schedules import LR_SCHEDULES
 
 # Literal types built from the registries, so `--help` lists the choices and a file's typo fails at load.
 PolicyLossName = Literal[POLICY_LOSS_NAMES]  # type: ignore[valid-type]
@@ -156,7 +156,8 @@ class GeneratorConfig(ConfigSection):
     load between two steps of the requests in flight)"""
     kv_cache_gib: float | None = Field(None, gt=0)
     """vLLM on the CPU: KV cache size of each engine, GiB (unset: room for one generate's max_num_seqs
-    sequences of a prompt allowance + max_new_tokens, `llamarl.exec.vllm_generator.kv_cache_bytes`)"""
+    sequences of a prompt allowance + max_new_tokens,
+    `llamarl.exec.generate.vllm.generator.kv_cache_bytes`)"""
     max_engine_restarts: int = Field(3, ge=0)
     """stream mode with vLLM: dead engines a generator replaces while the trainer keeps going"""
 

@@ -94,7 +94,7 @@ def vllm_python_for_tests() -> str:
     """
     import pytest
 
-    from llamarl.exec.vllm_env import VLLMEnvironmentError, find_vllm_python
+    from llamarl.exec.generate.vllm.env import VLLMEnvironmentError, find_vllm_python
 
     try:
         return find_vllm_python()
@@ -130,7 +130,7 @@ def build_trainer(model: str, *, temperature: float = 1.0, total_steps: int = 1,
     the trainer's runtime arguments (device, compute_dtype, seed, group), e.g.
     `build_trainer(path, lr=1e-2, pack_tokens=0, kl_coef=0.5, seed=0)`. Not set up."""
     from llamarl.exec.config import AlgorithmConfig, TrainerConfig
-    from llamarl.exec.trainer import PolicyTrainer
+    from llamarl.exec.train.trainer import PolicyTrainer
 
     sections = {TrainerConfig: {}, AlgorithmConfig: {}}
     runtime = {}
@@ -159,7 +159,7 @@ class FeedbackEnvironment:
         self.turns = 0
 
     def step(self, turn):
-        from llamarl.exec.environments import Finish, Reply
+        from llamarl.exec.multiturn.environments import Finish, Reply
 
         if self.row.get("broken"):
             raise RuntimeError("environment bug")

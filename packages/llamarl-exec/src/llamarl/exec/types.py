@@ -23,7 +23,7 @@ class RolloutBatch:
     """Sampled completions with everything the trainer needs, as plain tensors.
 
     Every field is a tensor so a batch can cross a process boundary as tensors (see
-    `llamarl.control.channels`), never as pickled Python objects.
+    `llamarl.control.run.channels`), never as pickled Python objects.
     """
 
     prompt_ids_BP: torch.Tensor  # int64, left-padded with the pad token
@@ -200,8 +200,8 @@ class Generator(Protocol):
     def open_turns(
         self, *, greedy: bool = False, between_steps: Callable[[], None] | None = None
     ) -> TurnSession:
-        """A session for the model turns of multi-turn episodes (`llamarl.exec.episodes`); tokens keep
-        their behaviour log-probs and versions, `between_steps` may take new weights in flight."""
+        """A session for the model turns of multi-turn episodes (`llamarl.exec.multiturn.episodes`); tokens
+        keep their behaviour log-probs and versions, `between_steps` may take new weights in flight."""
         ...
 
     def restart_engine(self) -> None:

@@ -1,0 +1,272 @@
+"""The generator side of a run: ranks N..N+G-1, each with a `Generator` (transformers in the rank, or a
+vLLM engine in a child process), a rule `Rewarder` in worker processes, and a `GeneratorLoop`.
+
+Each generator samples its share of every step's prompts (single-turn completions, or multi-turn episodes
+for a task with tools or an environment), scores its own samples, logs every sample
+(with the policy version that sampled it) to OUTPUT_DIR/samples.rank{r}.jsonl, and answers its share of
+the held-out questions in evaluations. Weights arrive straight from the trainer ranks
+(`Generator.receive_weights`: this rank's model, or its engine, joined the weight channel).
+"""
+
+from __future__ import annotations
+
+from typing import Any, TextIO
+
+import torch
+import torch.distributed as dist
+
+from llamarl.control.launch.devices import generation_dtype
+from llamarl.control.run import checkpoint as ckpt
+from llamarl.control.run.channels.rollouts import send_rollouts
+from llamarl.control.run.channels.stream import RolloutOutbox, StreamControl
+from llamarl.control.run.channels.weights import FIRST_TRAINER_RANK, WeightChannelAddress, connect_generator
+from llamarl.control.run.generator_loop import GeneratorLoop
+from llamarl.control.run.sampler import EpisodeSetup, TaskSampler
+from llamarl.control.run.schedule import Tick
+from llamarl.control.run.side import Side
+from llamarl.control.tasks.prompts import PromptStream, TaskPrompts
+from llamarl.exec import HFGenerator, ProcessRewarder, VLLMGenerator
+from llamarl.exec.reward.model import build_model_rewarder
+from llamarl.exec.types import Generator, RolloutBatch
+
+EVAL_CHUNK = 32  # prompts per greedy generate call during evaluation
+
+
+class GeneratorSide(Side):
+    """A generator rank."""
+
+    side_name = "generators"
+
+    # Built by setup(); None until then, so that close() after a partial setup releases what exists.
+    generator: Generator | None = None
+    rewarder: ProcessRewarder | None = None
+    reward_model = None  # the reward model, when colocated (no reward ranks)
+    samples: TextIO | None = None
+
+    @property
+    def generator_index(self) -> int:
+        """This rank's index among the generators."""
+        return self.rank - self.config.ranks.num_trainers
+
+    def build_executors(self) -> None:
+        self.generator = self._build_generator()
+        self.generator.setup()
+        # One worker by default: answer checking is cheap next to generation, and the cores belong to
+        # the model. A task scored only by its environment has no reward functions to run.
+        if self.task.reward_functions:
+            self.rewarder = ProcessRewarder(self.task.reward_functions, self.config.reward)
+            self.rewarder.setup()
+        cfg = self.config
+        self.reward_rank = cfg.reward_rank_of(self.rank)  # where this rank's batches go to be scored
+        if cfg.reward_model.path is not None and self.reward_rank is None:
+            self.reward_model = build_model_rewarder(cfg.reward_model, rank_device=str(self.device))
+            self.reward_model.setup()
+        self.train_prompts = TaskPrompts(self.task, self.train_examples, self.tokenizer)
+        self.eval_prompts = TaskPrompts(self.task, self.eval_examples, self.tokenizer)
+        self.episodes = self._episode_setup()
+        self.eval_sampler = TaskSampler(
+            generator=self.generator,
+            rewarder=self.rewarder,
+            source=self.eval_prompts,
+            sampling=self.config.sampling,
+            episodes=self.episodes,
+        )
+        self._pending: tuple[RolloutBatch, dict[str, float]] | None = None  # made, not yet sent
+
+    def _episode_setup(self) -> EpisodeSetup | None:
+        """What multi-turn sampling needs, for a task with tools or an environment (else None)."""
+        if not self.task.multi_turn:
+            return None
+        from llamarl.exec.multiturn.episodes import ChatGlue
+
+        return EpisodeSetup(
+            new_environment=self.task.new_environment,
+            tokenizer=self.tokenizer,
+            glue=ChatGlue(self.tokenizer, tools=self.train_prompts.glue_tools()),
+        )
+
+    def _build_generator(self) -> Generator:
+        cfg = self.config
+        # Seeded by its index among the generators, not by its rank: the samples of a run do not change
+        # with the number of trainer ranks (a sharded run samples what a single-rank run samples).
+        seed = cfg.seed + self.generator_index
+        dtype = generation_dtype(cfg.generator.precision, self.device)
+        if cfg.generator.backend == "vllm":
+            return VLLMGenerator(
+                cfg.model,
+                cfg.sampling,
+                cfg.generator,
+                dtype=dtype,
+                seed=seed,
+                # The engine does this rank's work, so it gets this rank's share of the cores (all of
+                # them in sync mode, where ranks take turns); the rank itself only waits on it.
+                num_threads=torch.get_num_threads(),
+                start_timeout_s=cfg.launch.timeout_s,
+                timeout_s=cfg.launch.timeout_s,
+                log_path=str(self.output_dir / "logs" / f"vllm_engine.rank{self.rank}.log"),
+                device=str(self.device),  # on CUDA the engine gets this rank's GPU alone
+                batch_sequences=cfg.request_sequences,
+                in_flight_updates=cfg.schedule.mode == "stream",
+            )
+        return HFGenerator(
+            cfg.model, cfg.sampling, device=str(self.device), dtype=dtype, lora=cfg.trainer.lora, seed=seed
+        )
+
+    def open_channels(self, address: WeightChannelAddress) -> None:
+        cfg = self.config
+        connect_generator(
+            self.generator, address, timeout_s=cfg.sync_deadline_s, dead_after_s=cfg.weight_sync.dead_after_s
+        )
+        samples_path = self.output_dir / f"samples.rank{self.rank}.jsonl"
+        if self.resumed is not None:  # lines written after the checkpoint are made again, so cut them
+            ckpt.truncate(samples_path, self.resumed.rank_state["samples_bytes"])
+        self.samples = samples_path.open("a", encoding="utf-8")
+        self.loop = GeneratorLoop(
+            generator=self.generator,
+            rewarder=self.rewarder,
+            prompts=PromptStream(
+                self.prompt_order,
+                prompts_per_step=cfg.schedule.prompts_per_step,
+                generator_index=self.generator_index,
+                num_generators=cfg.ranks.num_generators,
+            ),
+            source=self.train_prompts,
+            sampling=cfg.sampling,
+            schedule=cfg.schedule,
+            weights_timeout_s=cfg.launch.timeout_s,
+            timeline=self.timeline,
+            sample_log=self.samples,
+            before_request=self._strike_at_request,
+            trainer_waiting=self.borrow_cores,
+            replace_engines=cfg.replaces_engines,
+            episodes=self.episodes,
+            reward_model=self.reward_model,
+            reward_model_config=cfg.reward_model,
+        )
+
+    def _strike_at_request(self, request: int) -> None:
+        """Stream mode's fault points: this rank at the start of its request N, or its engine during it."""
+        self.faults.strike(request)
+        self.faults.strike(request, "request", engine_pid=lambda: self.generator.engine_pid)
+
+    def restore(self, resume: ckpt.Resume) -> None:
+        mine = resume.rank_state
+        self.loop.prompts.position = mine["prompt_position"]
+        self.loop.restore_stream_state(mine.get("stream"))
+        if mine["pending"] is not None:
+            tensors, group_size, metrics = mine["pending"]
+            self._pending = (RolloutBatch(group_size=group_size, **tensors), metrics)
+        # The generator's cumulative counters continue from the checkpoint (the trainer takes their
+        # differences per step).
+        self.loop.restore_totals(mine["generator_totals"])
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        self.samples.flush()
+        pending = None
+        if self._pending is not None:
+            batch, metrics = self._pending
+            pending = (batch.tensors(), batch.group_size, metrics)
+        return {
+            "prompt_position": self.loop.prompts.position,
+            "generator_totals": self.loop.metrics(),
+            "pending": pending,  # async mode: the batch made but not yet sent
+            "stream": self.loop.stream_state(),  # stream mode: the request in flight, a batch not sent
+            "samples_bytes": self.samples.tell(),
+        }
+
+    # ----------------------------------------------------------------------------------------------
+    # lock step
+
+    def generate(self, tick: Tick) -> None:
+        self._pending = self.loop.make_batch(tick.index)
+        if self.reward_rank is not None:
+            # Handed to the reward rank now, not at the next move: it scores while this rank goes on
+            # (async: while the trainer trains and this rank samples the next batch).
+            send_rollouts(*self._pending, dst=self.reward_rank)
+            self._pending = None
+
+    def move_rollouts(self, tick: Tick) -> None:
+        if self.reward_rank is not None:
+            return  # the reward rank forwards the batch it scored
+        assert self._pending is not None, "no batch to send"
+        send_rollouts(*self._pending, dst=FIRST_TRAINER_RANK)
+        self._pending = None
+
+    def sync_weights(self) -> None:
+        self.loop.tick = self.tick
+        self.loop.receive_weights()
+
+    def after_resume(self) -> None:
+        # A checkpoint of an async run's last tick holds no rollouts in flight; a longer run needs them,
+        # so they are made now (by the restored policy: lag 0 for that one batch).
+        cfg = self.config
+        if not (cfg.schedule.mode == "async" and 0 < self.start_tick <= cfg.schedule.steps):
+            return
+        if self.reward_rank is not None:
+            # The batch in flight, if any, waits on the reward rank, which says whether it has one.
+            held = torch.zeros(1, dtype=torch.int64)
+            dist.recv(held, self.reward_rank)
+            if not int(held):
+                with self.borrow_cores():
+                    batch = self.loop.make_batch(self.start_tick - 1)
+                send_rollouts(*batch, dst=self.reward_rank)
+        elif self._pending is None:
+            with self.borrow_cores():  # the trainer's first tick waits for this batch
+                self._pending = self.loop.make_batch(self.start_tick - 1)
+
+    # ----------------------------------------------------------------------------------------------
+    # stream
+
+    def run_stream(self) -> None:
+        """Samples back to back and sends groups to the first trainer rank's buffer until it stops the run."""
+        control = StreamControl(self.store)
+        # To the trainer's buffer, through this rank's reward rank if there are reward ranks.
+        dst = FIRST_TRAINER_RANK if self.reward_rank is None else self.reward_rank
+        outbox = RolloutOutbox(
+            lambda batch, metrics: send_rollouts(batch, metrics, dst=dst, group=self.rollout_group),
+            timeout_s=self.config.launch.timeout_s,
+        )
+        dist.barrier()  # the first trainer rank set the shared counters
+        self.loop.stream(
+            control,
+            outbox,
+            in_flight=self.generator.supports_in_flight_updates,
+            on_pause=lambda pause: self.in_stream_pause(pause.kind, pause.policy_version),
+        )
+
+    # ----------------------------------------------------------------------------------------------
+    # evaluation
+
+    def score_evaluation(
+        self, greedy_Q: torch.Tensor, sampled_Q: torch.Tensor, version: torch.Tensor
+    ) -> None:
+        cfg = self.config
+        version[0] = self.loop.policy_version
+        mine = list(range(len(self.eval_examples)))[self.generator_index :: cfg.ranks.num_generators]
+        with self.borrow_cores():  # the trainer waits meanwhile
+            for first in range(0, len(mine), EVAL_CHUNK):
+                chunk = mine[first : first + EVAL_CHUNK]
+                greedy_Q[chunk] = torch.tensor(
+                    self._score_questions(chunk, samples=1, greedy=True), dtype=torch.float64
+                )
+                if cfg.eval.samples:
+                    sampled_Q[chunk] = torch.tensor(
+                        self._score_questions(chunk, samples=cfg.eval.samples, greedy=False),
+                        dtype=torch.float64,
+                    )
+
+    def _score_questions(self, indices: list[int], *, samples: int, greedy: bool) -> list[float]:
+        """The mean reward of `samples` completions (or episodes) of each held-out question."""
+        batch = self.eval_sampler.sample(
+            indices,
+            samples_per_prompt=samples,
+            greedy=greedy,
+            between_steps=self.eval_heartbeat,  # the waiting ranks see progress
+        ).batch
+        scores = batch.rewards_B.tolist()
+        return [sum(scores[q * samples : (q + 1) * samples]) / samples for q in range(len(indices))]
+
+    def close(self) -> None:
+        for part in (self.rewarder, self.reward_model, self.generator, self.samples):
+            if part is not None:
+                part.close()

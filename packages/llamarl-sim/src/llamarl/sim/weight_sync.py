@@ -1,0 +1,54 @@
+"""Weight sync time: bytes moved, the layout of the move and the bandwidth of the links it uses.
+
+- `shard_to_shard` (DDMA, llamarl.comm): every trainer device sends its own shard straight to the
+  generator devices that hold those weights; all links work at once, so the time is the larger of
+  what the busiest sender sends and what each receiver receives.
+- `gather_broadcast`: the trainer gathers the whole model on one device, which then sends it to every
+  generator replica (a pipelined broadcast): the whole model crosses one link twice.
+- `colocated_reshard`: the synchronous baseline's generator lives on the trainer's devices; each
+  device gathers its tensor-parallel slice of the new weights from the FSDP shards.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from llamarl.sim.hardware import Efficiency, GpuSpec
+from llamarl.sim.models import ModelSpec
+
+SyncLayout = Literal["shard_to_shard", "gather_broadcast", "colocated_reshard"]
+
+
+def weight_sync_s(
+    layout: SyncLayout,
+    model: ModelSpec,
+    *,
+    wire_bytes_per_param: float,
+    trainer_gpus: int,
+    replicas: int,
+    replica_gpus: int,
+    gpu: GpuSpec,
+    eff: Efficiency,
+    crosses_nodes: bool = True,
+) -> float:
+    """Seconds of one trainer -> generators weight sync.
+
+    Args:
+        wire_bytes_per_param: bytes per parameter on the wire (2: bf16).
+        trainer_gpus: devices the trainer's shards are spread over.
+        replicas: generator replicas that each need the whole model.
+        replica_gpus: devices of one replica (each gets 1 / replica_gpus of the model).
+        crosses_nodes: whether the transfer crosses nodes (network) or stays on NVLink.
+    """
+    model_bytes = model.params * wire_bytes_per_param
+    bandwidth = gpu.link_bandwidth(crosses_nodes) * eff.link_eff
+    latency = eff.p2p_latency_us * 1e-6
+    if layout == "shard_to_shard":
+        received = model_bytes / replica_gpus
+        sent = model_bytes * replicas / trainer_gpus
+        return max(received, sent) / bandwidth + latency
+    if layout == "gather_broadcast":
+        return 2 * model_bytes / bandwidth + 2 * latency
+    if layout == "colocated_reshard":
+        return model_bytes / replica_gpus / bandwidth + latency
+    raise ValueError(f"unknown weight sync layout {layout!r}")
