@@ -14,7 +14,7 @@ from typing import Literal
 from pydantic import BaseModel, Field, ValidationError
 from pydantic_settings import CliApp, CliPositionalArg, CliSubCommand, SettingsConfigDict
 
-from llamarl.sim import from_run, others, paper, plan, sweep
+from llamarl.sim import from_run, gpu_calibration, others, paper, plan, sweep
 from llamarl.sim.hardware import Efficiency, GpuSpec
 from llamarl.sim.measured_run import RunReadError, read_run
 from llamarl.sim.models import model_named
@@ -51,9 +51,12 @@ class OthersCommand(BaseModel):
 
 
 class FromRunCommand(BaseModel):
-    """Predict a measured run's step time in the other modes and with other rank counts."""
+    """Predict a measured run's step time in the other modes and with other rank counts; a folder with a
+    GPU trace (tools/gpu_check.py --out DIR) calibrates the GPU efficiencies instead."""
 
-    output_dir: CliPositionalArg[Path] = Field(description="a finished run's --output-dir")
+    output_dir: CliPositionalArg[Path] = Field(
+        description="a finished run's --output-dir, or gpu_check's --out folder (gpu_trace.json)"
+    )
     compare: list[Path] = Field(
         default_factory=list, description="other runs of the same work to check the predictions against"
     )
@@ -72,6 +75,12 @@ class FromRunCommand(BaseModel):
     host: from_run.HostAssumptions = Field(default_factory=from_run.HostAssumptions)
 
     def cli_cmd(self) -> None:
+        trace = self.output_dir / gpu_calibration.TRACE_NAME
+        if trace.is_file():  # a GPU run (tools/gpu_check.py --out DIR): calibrate the device's figures
+            calibration = gpu_calibration.calibrate(gpu_calibration.read_trace(trace))
+            print("\n".join(gpu_calibration.report(calibration)))
+            if not (self.output_dir / "summary.json").is_file():
+                return
         run = read_run(self.output_dir, self.max_new_tokens)
         compare = [read_run(p, self.max_new_tokens) for p in self.compare]
         counts = self.generators or [run.num_generators, 2 * run.num_generators]
