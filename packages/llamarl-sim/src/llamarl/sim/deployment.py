@@ -159,8 +159,20 @@ def price(d: Deployment, workload: Workload, gpu: GpuSpec, eff: Efficiency, seed
     )
     if d.colocated:
         train *= eff.colocated_train_slowdown
+    return PhaseTimes(
+        generate_s=gen_s,
+        train_s=train,
+        weight_sync_s=sync_s(d, gpu, eff),
+        move_s=replay_move_s(d, workload, lengths, gpu, eff),
+        offload_s=offload_s(d, gpu, eff),
+        detail=detail,
+    )
+
+
+def sync_s(d: Deployment, gpu: GpuSpec, eff: Efficiency) -> float:
+    """Seconds of one weight sync of deployment `d` (its layout, its bytes on the wire)."""
     wire = DTYPE_BYTES[d.wire_dtype] if d.sync_bytes_per_param is None else d.sync_bytes_per_param
-    sync = weight_sync_s(
+    return weight_sync_s(
         d.weight_sync,
         d.model,
         wire_bytes_per_param=wire,
@@ -170,14 +182,6 @@ def price(d: Deployment, workload: Workload, gpu: GpuSpec, eff: Efficiency, seed
         gpu=gpu,
         eff=eff,
         crosses_nodes=d.colocated or d.total_gpus > gpu.gpus_per_node,
-    )
-    return PhaseTimes(
-        generate_s=gen_s,
-        train_s=train,
-        weight_sync_s=sync,
-        move_s=replay_move_s(d, workload, lengths, gpu, eff),
-        offload_s=offload_s(d, gpu, eff),
-        detail=detail,
     )
 
 

@@ -39,12 +39,13 @@ from llamarl.sim.deployment import (
     best_generator_layout,
     best_split,
     price,
+    sync_s,
 )
 from llamarl.sim.generation import GeneratorLayout
 from llamarl.sim.hardware import Efficiency, GpuSpec
 from llamarl.sim.memory import kv_budget_per_gpu, trainer_bytes_per_gpu
 from llamarl.sim.models import MODELS, ModelSpec
-from llamarl.sim.weight_sync import DeltaSync, weight_sync_s
+from llamarl.sim.weight_sync import DeltaSync
 from llamarl.sim.workload import Workload
 
 # Published step times in seconds: (synchronous baseline, LlamaRL).
@@ -406,16 +407,7 @@ def _delta_lines(rows: list[Row], setup: PaperSetup) -> list[str]:
     ]
     for row in rows:
         d, t = row.llamarl, row.llamarl_times
-        seconds = weight_sync_s(
-            d.weight_sync,
-            d.model,
-            wire_bytes_per_param=wire,
-            trainer_gpus=d.trainer_gpus,
-            replicas=max(d.replicas, 1),
-            replica_gpus=d.generator.gpus,
-            gpu=setup.gpu,
-            eff=setup.efficiency,
-        )
+        seconds = sync_s(replace(d, sync_bytes_per_param=wire), setup.gpu, setup.efficiency)
         tick = t.async_step_s - t.weight_sync_s + seconds
         lines.append(
             f"  {row.size.upper()}: {d.model.params * wire / 1e9:.1f} GB instead of "

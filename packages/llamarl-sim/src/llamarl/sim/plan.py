@@ -28,6 +28,7 @@ from llamarl.sim.deployment import (
     PhaseTimes,
     best_generator_layout,
     price,
+    sync_s,
 )
 from llamarl.sim.generation import GeneratorLayout
 from llamarl.sim.hardware import Efficiency, GpuSpec
@@ -226,7 +227,7 @@ def _weight_sync_lines(
     }
     gathered = weight_sync_s("gather_broadcast", model, wire_bytes_per_param=2, **kw)
     wire = delta.wire_bytes_per_param(2.0)
-    as_delta = weight_sync_s(d.weight_sync, model, wire_bytes_per_param=wire, **kw)
+    as_delta = sync_s(replace(d, sync_bytes_per_param=wire), gpu, eff)
     return [
         f"  Weight sync: {model.params * 2 / 1e9:.1f} GB of bf16 weights per replica, "
         f"{d.weight_sync.replace('_', ' ')} in {best.times.weight_sync_s:.2f} s per step; gathered on one "
