@@ -40,7 +40,7 @@ def readme_example() -> str:
 @pytest.mark.timeout(400)
 def test_the_readme_example_runs_as_written(tiny_model_dir, tmp_path):
     example = readme_example()
-    assert len(example.splitlines()) <= 30
+    assert len(example.splitlines()) <= 25  # the README is a front door: its example stays short
     script = tmp_path / "my_task.py"
     script.write_text(example)
     out = tmp_path / "out"
