@@ -33,6 +33,21 @@ def failing_reward(prompt: list, completion: str, row: dict) -> float:
     return 1.0
 
 
+def odd_reward(prompt: list, completion: str, row: dict) -> object:
+    """Returns what the completion names instead of a score: NaN on "nan", infinity on "inf", None on
+    "none", a list on "list"; otherwise 1.0."""
+    odd = {"nan": float("nan"), "inf": float("inf"), "none": None, "list": [1.0]}
+    return odd.get(completion, 1.0)
+
+
+def busy_reward(prompt: list, completion: str, row: dict) -> float:
+    """Computes for `float(completion)` seconds of CPU time, then scores 1.0."""
+    end = time.thread_time() + float(completion)
+    while time.thread_time() < end:
+        pass
+    return 1.0
+
+
 def length_reward(prompts: list, completions: list[str], rows: list[dict]) -> list[float]:
     """Batched: 1 / (1 + characters) of each completion."""
     return [1.0 / (1 + len(c)) for c in completions]
