@@ -167,7 +167,8 @@ def build_trainer(model: str, *, temperature: float = 1.0, total_steps: int = 1,
 
 class FeedbackEnvironment:
     """A multi-turn test environment: answers every model turn with a user message ("Try again.") and
-    finishes after `row["turns"]` turns (default 3) with reward 1.0; raises on step when `row["broken"]`."""
+    finishes after `row["turns"]` turns (default 3) with reward `row["reward"]` (default 1.0); raises on
+    step when `row["broken"]`."""
 
     def start(self, row: dict) -> None:
         self.row = row
@@ -180,7 +181,7 @@ class FeedbackEnvironment:
             raise RuntimeError("environment bug")
         self.turns += 1
         if self.turns >= self.row.get("turns", 3):
-            return Finish(reward=1.0)
+            return Finish(reward=self.row.get("reward", 1.0))
         return Reply([{"role": "user", "content": f"Try again ({self.turns})."}])
 
 
@@ -195,4 +196,8 @@ def lookup_capital(country: str) -> str:
             pass
     if country == "flood":
         return "x" * 10_000_000
+    if country == "Atlantis":
+        raise KeyError(f"no capital known for {country}")
+    if country == "verbose":
+        raise ValueError("why " * 5000)
     return {"France": "Paris", "Japan": "Tokyo"}.get(country, "unknown")
