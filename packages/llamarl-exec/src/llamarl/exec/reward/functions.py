@@ -135,6 +135,16 @@ def math_answer(prompt: Messages, completion: str, row: dict) -> float:
     return math_reward(completion, row["answer"])
 
 
+def gsm8k_correct(prompt: Messages, completion: str, row: dict) -> bool:
+    """Whether the completion's final number is GSM8K's reference answer (`row["answer"]`)."""
+    return gsm8k_answer(prompt, completion, row) == 1.0
+
+
+def math_correct(prompt: Messages, completion: str, row: dict) -> bool:
+    """Whether the completion's last `\\boxed{}` equals the MATH reference answer (`row["answer"]`)."""
+    return math_answer(prompt, completion, row) == 1.0
+
+
 @dataclass(frozen=True)
 class Reward:
     """One reward function of a task and its weight in the task's reward (a weighted sum).
