@@ -228,7 +228,10 @@ class Rewarder(Protocol):
 
 class ModelRewarder(Protocol):
     """Scores samples with a reward model (a sequence classifier, an LLM judge): one float per sample,
-    from the task's question, the completion text and the reference answer. Its weights are its own."""
+    from the task's question, the completion text and the reference answer. Its weights are its own.
+    A sample it cannot score (NaN, infinite) scores 0 and is counted in `num_failures`."""
+
+    num_failures: int
 
     def setup(self) -> None: ...
 
