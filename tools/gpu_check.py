@@ -215,7 +215,7 @@ def _sync_rank(rank: int, world_size: int, rendezvous, model_dir: str, cpu: bool
 
     from llamarl.control.config import WeightSyncConfig
     from llamarl.control.launch.devices import generation_dtype, group_backend, weight_wire_dtype
-    from llamarl.control.run.channels.weights import connect_generator, open_sender, weight_channel_address
+    from llamarl.control.run.channels.weights import open_sender, weight_sync_endpoint
     from llamarl.exec.config import SamplingConfig
     from llamarl.exec.generate.hf import HFGenerator
 
@@ -224,7 +224,10 @@ def _sync_rank(rank: int, world_size: int, rendezvous, model_dir: str, cpu: bool
         torch.cuda.set_device(device)  # both processes on the one GPU
     dist.init_process_group("gloo", init_method=rendezvous.init_method, rank=rank, world_size=world_size)
     group = dist.new_group([0], backend=group_backend(device))  # every rank takes part
-    address = weight_channel_address(rank, world_size)
+    endpoint = weight_sync_endpoint(
+        rank, world_size, backend="gloo", timeout_s=120, dead_after_s=WeightSyncConfig().dead_after_s
+    )
+    assert endpoint is not None  # both ranks are members
     out: dict[str, Any] = {}
     if rank == 0:
         trainer = _trainer(Path(model_dir), device, group)
@@ -233,9 +236,7 @@ def _sync_rank(rank: int, world_size: int, rendezvous, model_dir: str, cpu: bool
         trainer.train_step(random_batch(vocab, sequences=8, prompt_len=16, completion_len=16))
         weight_group, sender = open_sender(
             trainer.model,
-            address,
-            timeout_s=120,
-            dead_after_s=WeightSyncConfig().dead_after_s,
+            endpoint,
             bucket_mb=256,
             wire_dtype=weight_wire_dtype(generation_dtype("auto", device)),
         )
@@ -256,7 +257,7 @@ def _sync_rank(rank: int, world_size: int, rendezvous, model_dir: str, cpu: bool
             model_dir, SamplingConfig(), device=str(device), dtype=generation_dtype("auto", device)
         )
         generator.setup()
-        connect_generator(generator, address, timeout_s=120, dead_after_s=WeightSyncConfig().dead_after_s)
+        generator.connect_weight_sync(endpoint)
         for _ in range(3):
             dist.barrier()
             generator.receive_weights(timeout_s=120)

@@ -25,10 +25,11 @@ from typing import Any, TextIO
 import torch
 import torch.distributed as dist
 
+from llamarl.comm import WeightSyncEndpoint
 from llamarl.control.run import checkpoint as ckpt
 from llamarl.control.run.channels.rollouts import CHECKPOINT_MARKER, recv_rollouts, send_rollouts
 from llamarl.control.run.channels.stream import StreamControl
-from llamarl.control.run.channels.weights import FIRST_TRAINER_RANK, WeightChannelAddress
+from llamarl.control.run.channels.weights import FIRST_TRAINER_RANK
 from llamarl.control.run.reward_scoring import add_model_rewards
 from llamarl.control.run.schedule import Tick
 from llamarl.control.run.side import Side
@@ -64,7 +65,7 @@ class RewardSide(Side):
         }
         self._lock = threading.Lock()  # stream mode: one model, several forwarding threads
 
-    def open_channels(self, address: WeightChannelAddress) -> None:
+    def open_channels(self, endpoint: WeightSyncEndpoint | None) -> None:
         # No weight channel: the reward model's weights never come from the trainer.
         path = self.output_dir / f"reward_scores.rank{self.rank}.jsonl"
         self.output_dir.mkdir(parents=True, exist_ok=True)
