@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from llamarl.control.cli import RESOLVED_CONFIG, write_config
-from llamarl.control.config import ConfigError, RunConfig
+from llamarl.control.config import ConfigError, RunConfig, replace_in
 
 LOCK_FILE = ".llamarl.lock"
 # The holder writes who it is just after it takes the lock: how long a refused run waits to read it.
@@ -71,9 +71,14 @@ def hold_output_dir(path: Path, job: str) -> Iterator[None]:
 
 def write_resolved_config(config: RunConfig) -> None:
     """OUTPUT_DIR/config.toml, replaced atomically: every machine writes it, maybe into one folder."""
+    from llamarl.control.tasks.registry import task_origin
+
     path = config.output_dir / RESOLVED_CONFIG
     partial = path.with_name(f".{path.name}.{socket.gethostname()}-{os.getpid()}")
-    write_config(config, partial)
+    origin = None if config.task.module else task_origin(config.task.name)
+    # A task given in code (a script's `main(TASK)`) is recorded by where it can be imported again, so
+    # that `--config OUTPUT_DIR/config.toml` reruns it from any app (`apps/task_rl`) as well.
+    write_config(replace_in(config, **{"task.module": origin}) if origin else config, partial)
     os.replace(partial, path)
 
 
