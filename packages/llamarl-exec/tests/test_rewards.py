@@ -3,7 +3,12 @@ reward functions, timeouts and failures."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -247,3 +252,49 @@ def test_a_reward_function_of_the_main_script_reaches_the_workers(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == "[1.0, 0.0]"
+
+
+RANK_WITH_A_HUNG_REWARD = """
+import sys, threading
+from llamarl.exec import ProcessRewarder, RewardConfig
+from llamarl.exec.testing import slow_reward
+
+rewarder = ProcessRewarder([slow_reward], RewardConfig(num_workers=1, timeout_s=120))
+rewarder.setup()
+threading.Thread(
+    target=rewarder.score, args=([[{"role": "user", "content": "q"}]], ["sleep 600"], [{}]), daemon=True
+).start()
+print(*[w.process.pid for w in rewarder._workers], flush=True)
+threading.Event().wait()
+"""
+
+
+def test_a_worker_busy_in_a_hung_reward_ends_within_seconds_of_its_rank_killed_outright():
+    rank = subprocess.Popen(
+        [sys.executable, "-c", RANK_WITH_A_HUNG_REWARD], stdout=subprocess.PIPE, text=True
+    )
+    workers: list[int] = []
+    try:
+        workers = [int(pid) for pid in rank.stdout.readline().split()]
+        assert workers, "the rank started no reward worker"
+        time.sleep(1.0)  # the worker is inside the sleeping reward now
+        rank.send_signal(signal.SIGKILL)
+        rank.wait(timeout=10)
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline and any(_alive(pid) for pid in workers):
+            time.sleep(0.1)
+        assert not any(_alive(pid) for pid in workers), "a reward worker outlived its rank"
+    finally:
+        rank.kill()
+        for pid in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie left to init counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -21,6 +21,7 @@ import sys
 import types
 from multiprocessing.connection import Connection
 
+from llamarl.exec.lifeline import exit_with_parent
 from llamarl.exec.reward.functions import Reward, score_samples
 
 WHERE = struct.Struct("<ii")
@@ -40,6 +41,7 @@ def main() -> None:
     # (which stops it, or whose exit closes the socket), never with a traceback of its own.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
+    exit_with_parent()  # a rank killed outright: its worker goes too, even mid-way through a hung reward
     conn = Connection(int(sys.argv[1]))
     where = mmap.mmap(int(sys.argv[2]), WHERE.size)
     main_script, payload = conn.recv()
