@@ -1,5 +1,9 @@
-"""Packed linear layers (`llamarl.exec.generate.packed_linear`): the same numbers as `F.linear`, repacked
-after the weights change, ordinary linear layers where a gradient is wanted."""
+"""Packed linear layers (`llamarl.exec.generate.packed_linear`): the same numbers as `F.linear` to float
+rounding, repacked after the weights change, ordinary linear layers where a gradient is wanted.
+
+What every CPU gives is agreement to rounding (`ROUNDING`): oneDNN may multiply one row with another
+kernel than `F.linear` does (to the bit on CPUs with AMX; within the last bits on an AMD EPYC with
+avx512_bf16 and no AMX), so no test here asks for bitwise equality."""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from llamarl.exec.generate.packed_linear import (
+    ROUNDING,
     PackedLinear,
     pack_linear_layers,
     packing_works,
@@ -21,7 +26,7 @@ def _logits(model: torch.nn.Module, ids_BT: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_packed_model_computes_the_plain_models_logits_to_the_bit(tiny_model_dir, dtype):
+def test_a_packed_model_computes_the_plain_models_logits_to_rounding(tiny_model_dir, dtype):
     # (a CPU without bf16 support leaves bf16 layers plain: the same logits, nothing packed)
     plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=dtype).eval()
     packed = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=dtype).eval()
@@ -34,9 +39,11 @@ def test_a_packed_model_computes_the_plain_models_logits_to_the_bit(tiny_model_d
         assert pack_linear_layers(packed) == 0
     assert packed.state_dict().keys() == plain.state_dict().keys()  # names unchanged: weight sync and
     ids_BT = torch.randint(0, packed.config.vocab_size, (3, 7))  # checkpoints see the same model
-    assert torch.equal(_logits(packed, ids_BT), _logits(plain, ids_BT))
+    torch.testing.assert_close(_logits(packed, ids_BT), _logits(plain, ids_BT), **ROUNDING[dtype])
     # a decoding step's shape too: one token per row
-    assert torch.equal(_logits(packed, ids_BT[:, :1]), _logits(plain, ids_BT[:, :1]))
+    torch.testing.assert_close(
+        _logits(packed, ids_BT[:, :1]), _logits(plain, ids_BT[:, :1]), **ROUNDING[dtype]
+    )
 
 
 def test_a_write_through_the_parameter_is_seen_and_a_write_through_data_needs_weights_changed():
@@ -48,14 +55,16 @@ def test_a_write_through_the_parameter_is_seen_and_a_write_through_data_needs_we
     with torch.no_grad():
         before = layer(x_BK)
         layer.weight.mul_(2.0)  # in place through the parameter: its version counter moves
-        assert torch.equal(layer(x_BK), torch.nn.functional.linear(x_BK, layer.weight, layer.bias))
+        plain = torch.nn.functional.linear(x_BK, layer.weight, layer.bias)
+        torch.testing.assert_close(layer(x_BK), plain, **ROUNDING[torch.float32])
         layer.weight.data.copy_(torch.zeros(8, 16))  # as the weight sync's receiver writes: unseen...
         stale = layer(x_BK)
-        assert not torch.equal(stale, layer.bias.expand(4, 8))
+        assert not torch.allclose(stale, layer.bias.expand(4, 8))  # still the doubled weights' product
         weights_changed(layer)  # ...until its writer says so
-        assert torch.equal(layer(x_BK), layer.bias.expand(4, 8))
+        torch.testing.assert_close(layer(x_BK), layer.bias.expand(4, 8), **ROUNDING[torch.float32])
         layer.weight = torch.nn.Parameter(torch.ones(8, 16))  # a new tensor in its place
-        assert torch.equal(layer(x_BK), torch.nn.functional.linear(x_BK, layer.weight, layer.bias))
+        plain = torch.nn.functional.linear(x_BK, layer.weight, layer.bias)
+        torch.testing.assert_close(layer(x_BK), plain, **ROUNDING[torch.float32])
     assert not torch.equal(before, layer(x_BK).detach())
 
 
