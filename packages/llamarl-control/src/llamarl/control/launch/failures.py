@@ -123,6 +123,12 @@ def is_user_error(error: BaseException) -> bool:
     )
 
 
+def timed_out(record: dict[str, Any]) -> bool:
+    """Whether a rank's recorded error is a wait that ran out of time (its peer may be the cause)."""
+    text = record["error"].lower()
+    return record["error"].startswith("TimeoutError") or "timed out" in text or "timeout" in text
+
+
 def error_record(rank: int, error: BaseException, traceback_text: str) -> dict[str, Any]:
     """What a failed rank writes to OUTPUT_DIR/errors/rank{r}.json."""
     return {

@@ -51,10 +51,12 @@ from llamarl.control.launch.failures import (
     discard_unused_error_records,
     last_checkpoint_note,
     read_error_records,
+    timed_out,
 )
 from llamarl.control.launch.memory import ProcessTreeMemory, memory_summary, own_peak
 from llamarl.control.launch.nodes import describe_lost
 from llamarl.control.launch.output_dir import hold_output_dir, prepare_output_dir, write_resolved_config
+from llamarl.control.launch.progress import describe_stall, read_progress, stalled_rank
 from llamarl.control.launch.rank import rank_main, run_rank_process
 from llamarl.control.outputs.report import write_report
 from llamarl.control.run.channels.weights import FIRST_TRAINER_RANK
@@ -436,6 +438,11 @@ def _first_failure(
         first = min(failed, key=lambda r: r["time"])
         if first.get("lost_nodes"):
             return RunFailed(describe_lost(first["lost_nodes"]), rank=first["rank"])
+        marks = {r: m for r, m in read_progress(errors_dir).items() if m.time >= since}  # this run's
+        stalled = stalled_rank(marks, config, now=first["time"]) if timed_out(first) else None
+        if stalled is not None and stalled.rank != first["rank"]:
+            line = describe_stall(stalled, config, now=first["time"], gave_up=first["rank"])
+            return RunFailed(line, rank=stalled.rank)
         return RunFailed(describe_record(first, errors_dir), rank=first["rank"])
     if records:  # SIGINT or SIGTERM sent to the ranks themselves
         first = min(records.values(), key=lambda r: r["time"])

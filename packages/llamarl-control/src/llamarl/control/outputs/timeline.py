@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,14 @@ class Span:
     tick: int  # the controller tick it belongs to (-1: outside the training loop)
 
 
+class PhaseObserver(Protocol):
+    """What a timeline tells of each phase as it runs (`llamarl.control.launch.progress.ProgressMark`)."""
+
+    def enter(self, phase: str, tick: int) -> None: ...
+
+    def leave(self) -> None: ...
+
+
 class Timeline:
     """The spans one rank recorded, in the order they ended.
 
@@ -34,9 +43,10 @@ class Timeline:
     the controller measures its step times with the same readings as the spans it records.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, observer: PhaseObserver | None = None) -> None:
         self.spans: list[Span] = []
         self._offset = time.time() - time.perf_counter()
+        self.observer = observer  # told of every phase entered and left (a rank's progress mark)
 
     def now(self) -> float:
         """The timeline's clock: wall-clock seconds since the epoch, advancing monotonically."""
@@ -46,10 +56,14 @@ class Timeline:
     def phase(self, name: str, tick: int = -1) -> Iterator[None]:
         """Records the time spent in the `with` block as a span named `name`."""
         start = self.now()
+        if self.observer is not None:
+            self.observer.enter(name, tick)
         try:
             yield
         finally:
             self.spans.append(Span(name, start, self.now(), tick))
+            if self.observer is not None:
+                self.observer.leave()
 
     def last(self, name: str) -> Span:
         """The span named `name` that ended last."""
