@@ -162,7 +162,12 @@ class RewardSide(Side):
     def run_stream(self) -> None:
         """One thread per generator of this rank: receive, score, forward, until its stream ends; the
         main thread meanwhile serves the trainer's pauses (evaluations, checkpoints) with every other
-        rank."""
+        rank.
+
+        consumes:     the pauses the trainer requests (the threads consume the generators' streams)
+        waits for:    every thread's end: each generator's end of stream
+        unblocked by: the generators closing their outboxes once the trainer stopped the run
+        """
         control = StreamControl(self.store)
         pauses = PauseServer(self.in_stream_pause)
         errors: list[BaseException] = []

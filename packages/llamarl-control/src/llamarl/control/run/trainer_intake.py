@@ -186,8 +186,8 @@ class TrainerIntake:
     def close(self) -> None:
         """OPEN -> CLOSED -> ENDED: stops the generators, discards what they still send, and waits until
         every stream ended."""
-        self.control.stop()
         self._move(IntakeStage.CLOSED, IntakeStage.OPEN)
+        self.control.stop()
         self.buffer.close()  # what still arrives is received and discarded until every generator ends
         for thread in self._threads:
             thread.join(self.timeout_s)
