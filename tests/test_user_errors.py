@@ -1,16 +1,20 @@
 """What a user meets when a run cannot go on: one line and an exit code, every process ended, nothing lost.
 
 Each test does to a real run what a user or the machine does: Ctrl-C in the terminal (SIGINT to the
-whole process group), a scheduler's SIGTERM to the launcher, an output folder that cannot be created or
-written, a disk that fills up during a checkpoint (a real 40 MiB tmpfs, mounted in a private mount
-namespace), and a rank that the kernel's out-of-memory killer kills (a real memory cgroup limit).
+whole process group), a scheduler's SIGTERM to the launcher and, after its grace period, SIGKILL, a
+second run started on a folder in use, an output folder that cannot be created or written, a disk that
+fills up during a checkpoint (a real 40 MiB tmpfs, mounted in a private mount namespace), and a rank
+that the kernel's out-of-memory killer kills (a real memory cgroup limit).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -44,6 +48,16 @@ def steps_done(out: Path) -> int:
     except OSError:
         return 0
     return sum("train/reward_mean" in line for line in lines)
+
+
+PROGRESS_BAR = re.compile(r"rl steps:[^\r\n\]]*\]")
+
+
+def said(stderr: str) -> list[str]:
+    """The lines a user reads in `stderr`: its lines without the run's progress bar (which redraws
+    itself after carriage returns, and may share a line with what follows it)."""
+    text = PROGRESS_BAR.sub("", stderr)
+    return [line.strip() for line in re.split(r"[\r\n]", text) if line.strip()]
 
 
 def wait_for(condition, timeout_s: float, what: str) -> None:
@@ -90,17 +104,15 @@ def test_an_interrupted_stream_run_ends_every_process_says_where_its_checkpoint_
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
     assert process.returncode == 128 + signum, stderr[-3000:]
-    lines = [line for line in stderr.splitlines() if line.strip() and "rl steps" not in line]
-    # One line: interrupted, every process ended, where the checkpoint is (no traceback from anyone).
+    # One line: interrupted, every process ended, where the checkpoint is (no traceback from anyone,
+    # no log line of torch elastic's).
     assert "Traceback" not in stderr, stderr[-3000:]
-    interrupted = [line for line in lines if "interrupted" in line]
-    assert len(interrupted) == 1, lines
     found = find_latest(out / "checkpoints")
     assert found is not None and found.step >= 2
-    assert interrupted[0] == (
+    assert said(stderr) == [
         f"gsm8k_rl: interrupted ({signal.Signals(signum).name}): every process of the run stopped; "
         f"the last checkpoint is {found.path} (policy_version {found.step}); --resume continues from it"
-    )
+    ]
     wait_for(lambda: not processes_of_session(process.pid), 30, "every process of the run to end")
     if how == "sigterm":
         return
@@ -113,6 +125,52 @@ def test_an_interrupted_stream_run_ends_every_process_says_where_its_checkpoint_
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["resumed_from_step"] == found.step and summary["final_policy_version"] == found.step + 2
+
+
+@pytest.mark.timeout(600)
+def test_a_run_holds_its_folder_and_a_launcher_killed_with_sigkill_takes_every_process_along(
+    tiny_model_dir, gsm8k_dir, tmp_path
+):
+    """A second run on a folder in use is refused in one line naming the first; SIGKILL to the launcher
+    (a scheduler once its grace period is over) ends every process of the run (ranks, the server they
+    fork from, reward workers) within 10 s; the lock the killed run left blocks nothing, and `--resume`
+    there, with no checkpoint to resume from, says in one line that it starts fresh."""
+    out = tmp_path / "run"
+    command = app_command(tiny_model_dir, gsm8k_dir, out, "--steps", "200")
+    first = subprocess.Popen(
+        command, env=app_env(), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        wait_for(lambda: steps_done(out) >= 1, 400, "a first step")
+        second = subprocess.run(
+            app_command(tiny_model_dir, gsm8k_dir, out, "--steps", "1"),
+            env=app_env(), cwd=REPO, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert second.returncode == 2, second.stderr[-3000:]
+        [line] = said(second.stderr)
+        assert re.fullmatch(
+            rf"gsm8k_rl: error: output\.dir \(--output-dir\) {re.escape(str(out))} is in use by another run "
+            rf"\(pid {first.pid} on {re.escape(socket.gethostname())}, since [0-9: -]+\w*\): "
+            r"wait for it to end, or give another --output-dir",
+            line,
+        ), line
+        first.kill()
+        first.wait()
+        wait_for(lambda: not processes_of_session(first.pid), 10, "every process of the killed run to end")
+    finally:
+        for process in processes_of_session(first.pid):
+            with contextlib.suppress(psutil.Error):
+                process.kill()
+    resumed = subprocess.run(
+        [*command[: command.index("--steps")], "--steps", "1", "--resume"],
+        env=app_env(), cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert said(resumed.stderr) == [
+        f"--resume: no complete checkpoint in {out / 'checkpoints'}: starting fresh"
+    ]
+    assert not (out / "errors").exists()  # a run in which nothing went wrong leaves no error records
 
 
 @pytest.mark.parametrize("problem", ["create", "write"])

@@ -8,7 +8,8 @@ test, run from the main suite, drives two processes in that environment:
   continuation, log-probs and tensor digests, then hosts the sync group (rank 0) and sends twice
   (first its weights negated, then its weights);
 - tests/vllm_scripts/engine.py: serves the folder with `worker_extension_cls`, generates, joins the group
-  through `collective_rpc("init_weight_sync")`, receives (`sync_weights`) and generates after each sync.
+  (`join_weight_sync`: `collective_rpc("init_weight_sync")`), receives (`sync_weights`) and generates after
+  each sync.
 
 Marked `vllm`: the workspace's conftest.py builds the vLLM environment first when it is missing; a
 broken one fails. The other tests here need no vLLM
@@ -30,6 +31,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from llamarl.comm import WeightSyncEndpoint
 from llamarl.comm.adapters.vllm import (
     INITIAL_POLICY_VERSION,
     TensorSpec,
@@ -210,11 +212,16 @@ class StandInWorker(WeightSyncWorkerExtension):
         self.loads.append({name: t.clone() for name, t in weights_iterator})
 
 
+def _endpoint(rdv, rank: int) -> WeightSyncEndpoint:
+    """The group of a trainer (rank 0) and a one-worker engine (rank 1), as `rank` joins it."""
+    return WeightSyncEndpoint(host=rdv.host, port=rdv.port, rank=rank, world_size=2, timeout_s=30)
+
+
 def _sync_with_stand_in(rank: int, world_size: int, rdv, model_dir: str) -> dict:
     from llamarl.comm import WeightSender, WeightSyncGroup
 
     if rank == 0:  # the trainer: sends 3, then 5 (new weights), then 9 (the engine's loader fails)
-        group = WeightSyncGroup(host=rdv.host, port=rdv.port, rank=0, world_size=2, timeout_s=30)
+        group = WeightSyncGroup(_endpoint(rdv, 0))
         tensors = checkpoint(1)
         sender = WeightSender(group, tensors, bucket_bytes=256)  # several buckets
         sender.send(3)
@@ -228,7 +235,8 @@ def _sync_with_stand_in(rank: int, world_size: int, rdv, model_dir: str) -> dict
 
     worker = StandInWorker(model_dir)
     out: dict = {"before": worker.weight_version()}
-    out["num_tensors"] = worker.init_weight_sync(rdv.host, rdv.port, rank=1, world_size=2, timeout_s=30)
+    # What `join_weight_sync` hands each worker through collective_rpc: the endpoint as JSON.
+    out["num_tensors"] = worker.init_weight_sync(_endpoint(rdv, 1).to_json())
     out["received"] = [worker.receive_weights(), worker.receive_weights()]
     out["after"] = worker.weight_version()
     worker.fail_next_load = True
@@ -275,7 +283,7 @@ def _colocated_with_stand_in(rank: int, world_size: int, rdv, model_dir: str) ->
     from llamarl.comm import WeightSyncGroup
     from llamarl.comm.colocated import ColocatedSender
 
-    group = WeightSyncGroup(host=rdv.host, port=rdv.port, rank=rank, world_size=2, timeout_s=30)
+    group = WeightSyncGroup(_endpoint(rdv, rank))
     if rank == 0:
         tensors = checkpoint(1)
         sender = ColocatedSender(group, tensors)  # waits until the worker has mapped them
@@ -284,15 +292,15 @@ def _colocated_with_stand_in(rank: int, world_size: int, rdv, model_dir: str) ->
             t.mul_(2)  # in place: the optimizer's step
         sender.send(5)
         group.get("test/engine_done", peer=1)
+        group.close()
         return None
     worker = StandInWorker(model_dir)
-    out: dict = {
-        "num_tensors": worker.init_weight_sync(rdv.host, rdv.port, rank=1, world_size=2, colocated=True)
-    }
+    out: dict = {"num_tensors": worker.init_weight_sync(_endpoint(rdv, 1).to_json(), colocated=True)}
     out["received"] = [worker.receive_weights(), worker.receive_weights()]
     out["after"] = worker.weight_version()
-    group.put("test/engine_done", True)
     worker.close_weight_sync()
+    group.put("test/engine_done", True)
+    group.close()
     sent = checkpoint(1)
     first, second = worker.loads
     out["mismatches"] = [

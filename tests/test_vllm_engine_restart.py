@@ -42,6 +42,20 @@ KILL_AFTER_S = 1.5  # into the long generate call
 LOST_WITHIN_S = 15.0  # the generator reports the dead engine within this long after the kill
 
 
+def _endpoint(rdv, rank: int):
+    """The weight-sync group of the trainer (rank 0) and the engine (rank 1), as `rank` joins it."""
+    from llamarl.comm import WeightSyncEndpoint
+
+    return WeightSyncEndpoint(
+        host=rdv.host,
+        port=rdv.port,
+        rank=rank,
+        world_size=2,
+        timeout_s=SYNC_TIMEOUT_S,
+        dead_after_s=DEAD_AFTER_S,
+    )
+
+
 def _trainer(rdv, model_dir: str) -> dict:
     from llamarl.comm import WeightSender, WeightSyncError, WeightSyncGroup
     from llamarl.exec.testing import build_trainer
@@ -51,14 +65,7 @@ def _trainer(rdv, model_dir: str) -> dict:
     initial = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     out: dict = {}
     wait_for(rdv, "engine_up")  # the engine's join and the sender's construction meet in the store
-    group = WeightSyncGroup(
-        host=rdv.host,
-        port=rdv.port,
-        rank=0,
-        world_size=2,
-        timeout_s=SYNC_TIMEOUT_S,
-        dead_after_s=DEAD_AFTER_S,
-    )
+    group = WeightSyncGroup(_endpoint(rdv, 0))
     sender = WeightSender(group, trainer.model)
     perturb(trainer.model, seed=1)
     sender.send(1)
@@ -123,9 +130,7 @@ def _generator_rank(rdv, model_dir: str, vllm_python: str) -> dict:
     try:
         gen.setup()
         touch(rdv, "engine_up")
-        gen.connect_weight_sync(
-            host=rdv.host, port=rdv.port, rank=1, world_size=2, timeout_s=SYNC_TIMEOUT_S, src_rank=0
-        )
+        gen.connect_weight_sync(_endpoint(rdv, 1))
         gen.receive_weights(SYNC_TIMEOUT_S)
         out["first_version"] = gen.policy_version
 

@@ -44,6 +44,13 @@ ANNOUNCE_AFTER_TOKENS = 8  # the sync lands once every running completion has sa
 FAILED_SYNC_WAIT_S = 3.0  # a sync the trainer never sends times out after this long
 
 
+def _endpoint(rdv, rank: int):
+    """The weight-sync group of the trainer (rank 0) and the engine (rank 1), as `rank` joins it."""
+    from llamarl.comm import WeightSyncEndpoint
+
+    return WeightSyncEndpoint(host=rdv.host, port=rdv.port, rank=rank, world_size=2, timeout_s=SYNC_TIMEOUT_S)
+
+
 def _trainer(rdv, model_dir: str) -> dict:
     from llamarl.comm import WeightSender, WeightSyncGroup
     from llamarl.exec.testing import build_trainer
@@ -53,7 +60,7 @@ def _trainer(rdv, model_dir: str) -> dict:
     initial = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     out: dict = {}
     wait_for(rdv, "engine_up")  # the engine's join and the sender's construction meet in the store
-    group = WeightSyncGroup(host=rdv.host, port=rdv.port, rank=0, world_size=2, timeout_s=SYNC_TIMEOUT_S)
+    group = WeightSyncGroup(_endpoint(rdv, 0))
     sender = WeightSender(group, trainer.model)
     perturb(trainer.model, seed=1)
     updated = {k: v.clone() for k, v in trainer.model.state_dict().items()}
@@ -134,9 +141,7 @@ def _generator_rank(rdv, model_dir: str, vllm_python: str) -> dict:
     try:
         gen.setup()
         touch(rdv, "engine_up")
-        gen.connect_weight_sync(
-            host=rdv.host, port=rdv.port, rank=1, world_size=2, timeout_s=SYNC_TIMEOUT_S, src_rank=0
-        )
+        gen.connect_weight_sync(_endpoint(rdv, 1))
         started = time.monotonic()
         taken: list[float] = []
         calls = [0]

@@ -33,6 +33,7 @@ from llamarl.comm import (
     DestLayout,
     WeightReceiver,
     WeightSender,
+    WeightSyncEndpoint,
     WeightSyncGroup,
     fused,
     replicated,
@@ -153,7 +154,9 @@ def _worker(
     torch.manual_seed(rank)
     shapes, cfg = model_shapes(model)
     num_src = 2 if layout_kind == "2-2" else 1
-    group = WeightSyncGroup(host=rdv.host, port=rdv.port, rank=rank, world_size=world_size, timeout_s=300)
+    group = WeightSyncGroup(
+        WeightSyncEndpoint(host=rdv.host, port=rdv.port, rank=rank, world_size=world_size, timeout_s=300)
+    )
     is_src = rank < num_src
     if is_src:
         if num_src == 1:

@@ -13,16 +13,21 @@ download):
              train on, load, compare model and optimizer bitwise
     app      the arith app, trainer and generator sharing the GPU (ranks.colocate), in async and in
              stream mode for a few steps
+    trace    timings for the simulator's GPU calibration, written to OUT/gpu_trace.json: decoding steps
+             of the model at a few batch sizes (eager, and with a CUDA graph where one can be captured)
+             and timed training steps of the app's trainer; `tools/simulate.py from-run OUT` fits the
+             decode bandwidth, eager launch cost and trainer MFU from it (llamarl.sim.gpu_calibration)
 
 `--cpu` runs the same checks on the CPU (gloo only, smaller models): a dry run of the script's logic
 for a machine without a GPU. Usage:
 
-    tools/gpu_check.sh [--cpu] [--checks fsdp,sync,dcp,app] [--out DIR]
+    tools/gpu_check.sh [--cpu] [--checks fsdp,sync,dcp,app,trace] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -38,7 +43,7 @@ from typing import Any
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-CHECKS = ("fsdp", "sync", "dcp", "app")
+CHECKS = ("fsdp", "sync", "dcp", "app", "trace")
 
 # Model sizes (Llama from a config): on the GPU big enough for bandwidth and step times to mean
 # something (~200M parameters), on the CPU small enough for a dry run.
@@ -210,7 +215,7 @@ def _sync_rank(rank: int, world_size: int, rendezvous, model_dir: str, cpu: bool
 
     from llamarl.control.config import WeightSyncConfig
     from llamarl.control.launch.devices import generation_dtype, group_backend, weight_wire_dtype
-    from llamarl.control.run.channels.weights import connect_generator, open_sender, weight_channel_address
+    from llamarl.control.run.channels.weights import open_sender, weight_sync_endpoint
     from llamarl.exec.config import SamplingConfig
     from llamarl.exec.generate.hf import HFGenerator
 
@@ -219,7 +224,10 @@ def _sync_rank(rank: int, world_size: int, rendezvous, model_dir: str, cpu: bool
         torch.cuda.set_device(device)  # both processes on the one GPU
     dist.init_process_group("gloo", init_method=rendezvous.init_method, rank=rank, world_size=world_size)
     group = dist.new_group([0], backend=group_backend(device))  # every rank takes part
-    address = weight_channel_address(rank, world_size)
+    endpoint = weight_sync_endpoint(
+        rank, world_size, backend="gloo", timeout_s=120, dead_after_s=WeightSyncConfig().dead_after_s
+    )
+    assert endpoint is not None  # both ranks are members
     out: dict[str, Any] = {}
     if rank == 0:
         trainer = _trainer(Path(model_dir), device, group)
@@ -228,9 +236,7 @@ def _sync_rank(rank: int, world_size: int, rendezvous, model_dir: str, cpu: bool
         trainer.train_step(random_batch(vocab, sequences=8, prompt_len=16, completion_len=16))
         weight_group, sender = open_sender(
             trainer.model,
-            address,
-            timeout_s=120,
-            dead_after_s=WeightSyncConfig().dead_after_s,
+            endpoint,
             bucket_mb=256,
             wire_dtype=weight_wire_dtype(generation_dtype("auto", device)),
         )
@@ -251,7 +257,7 @@ def _sync_rank(rank: int, world_size: int, rendezvous, model_dir: str, cpu: bool
             model_dir, SamplingConfig(), device=str(device), dtype=generation_dtype("auto", device)
         )
         generator.setup()
-        connect_generator(generator, address, timeout_s=120, dead_after_s=WeightSyncConfig().dead_after_s)
+        generator.connect_weight_sync(endpoint)
         for _ in range(3):
             dist.barrier()
             generator.receive_weights(timeout_s=120)
@@ -392,6 +398,148 @@ def check_app(model_dir: Path, cpu: bool, scratch: Path, modes: list[str]) -> li
 
 
 # ------------------------------------------------------------------------------------------------
+# the trace for the simulator's GPU calibration
+
+# What llamarl.sim.gpu_calibration reads (this script runs without llamarl-sim on its path, so the
+# format is spelled out here; tests/test_gpu_check.py reads the file with the simulator's reader).
+TRACE_FORMAT = "llamarl-gpu-trace/1"
+TRACE_BATCHES_GPU, TRACE_BATCHES_CPU = (1, 8, 32, 64), (1, 4)
+
+
+def _shape(config) -> dict:
+    """The transformers config's numbers the simulator prices a model with."""
+    heads = config.num_attention_heads
+    return {
+        "name": "gpu_check model",
+        "layers": config.num_hidden_layers,
+        "hidden": config.hidden_size,
+        "heads": heads,
+        "kv_heads": getattr(config, "num_key_value_heads", None) or heads,
+        "head_dim": getattr(config, "head_dim", None) or config.hidden_size // heads,
+        "ffn": config.intermediate_size,
+        "vocab": config.vocab_size,
+        "tied": bool(getattr(config, "tie_word_embeddings", False)),
+    }
+
+
+def _timed(device: torch.device, step: Callable[[], Any], repeats: int) -> float:
+    """Mean seconds of `step` over `repeats` calls after two untimed ones."""
+    for _ in range(2):
+        step()
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        step()
+    _sync(device)
+    return (time.perf_counter() - start) / repeats
+
+
+def _eager_decode(model, device: torch.device, batch: int, context: int, repeats: int) -> dict:
+    """One decoding step of `batch` sequences after a `context`-token prefill, launched eagerly."""
+    vocab = model.config.vocab_size
+    ids = torch.randint(3, vocab, (batch, context), device=device)
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+    cache, token = out.past_key_values, ids[:, -1:]
+
+    def step() -> None:
+        nonlocal cache
+        with torch.no_grad():
+            cache = model(token, past_key_values=cache, use_cache=True).past_key_values
+
+    seconds = _timed(device, step, repeats)
+    return {"mode": "eager", "batch": batch, "context": context + (repeats + 2) / 2, "step_s": seconds}
+
+
+def _graph_decode(model, device: torch.device, batch: int, context: int, repeats: int) -> dict:
+    """The same step replayed from a captured CUDA graph over a static KV cache (attending to the
+    whole cache: the context recorded is its length)."""
+    from transformers import StaticCache
+
+    length = context + 8
+    try:  # transformers 5 sizes the batch at the first update; 4.x asks for it up front
+        cache = StaticCache(config=model.config, max_cache_len=length)
+    except TypeError:
+        cache = StaticCache(model.config, batch, length, device=device, dtype=model.dtype)
+    ids = torch.randint(3, model.config.vocab_size, (batch, context), device=device)
+    token, position = ids[:, -1:].clone(), torch.tensor([context], device=device)
+    with torch.no_grad():
+        model(ids, past_key_values=cache, cache_position=torch.arange(context, device=device), use_cache=True)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):  # warm-up off the capture stream, as torch.cuda.graphs asks
+            for _ in range(3):
+                model(token, past_key_values=cache, cache_position=position, use_cache=True)
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            model(token, past_key_values=cache, cache_position=position, use_cache=True)
+    seconds = _timed(device, graph.replay, repeats)
+    return {"mode": "graphs", "batch": batch, "context": length, "step_s": seconds}
+
+
+def _trace_rank(rank: int, world_size: int, rendezvous, model_dir: str, cpu: bool) -> dict:
+    import warnings
+
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from llamarl.control.launch.devices import group_backend
+
+    # `past_key_values` is the name every transformers this may meet accepts; 5.x warns about it.
+    warnings.filterwarnings("ignore", message=".*past_key_values.*", category=FutureWarning)
+    device = _device(cpu)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("gloo", init_method=rendezvous.init_method, rank=rank, world_size=world_size)
+    group = dist.new_group([0], backend=group_backend(device))
+    trace: dict[str, Any] = {"format": TRACE_FORMAT, "torch": torch.__version__, "notes": []}
+    trace["device"] = "cpu" if cpu else torch.cuda.get_device_name(device)
+    # Training: the app's trainer on one device, the step the fsdp check times.
+    trainer = _trainer(Path(model_dir), device, group)
+    trace["model"] = _shape(trainer.model.config)
+    prompt, completion, sequences = 64, 192, 16
+    batch = random_batch(
+        trace["model"]["vocab"], sequences=sequences, prompt_len=prompt, completion_len=completion
+    )
+    seconds = _timed(device, functools.partial(trainer.train_step, batch), repeats=2)
+    trace["train"] = [
+        {"sequences": sequences, "prompt_tokens": prompt, "completion_tokens": completion, "step_s": seconds}
+    ]
+    trainer.close()
+    del trainer
+    # Decoding: the model alone, in the generator's precision.
+    dtype = torch.float32 if cpu else torch.bfloat16
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    context, repeats = (16, 4) if cpu else (256, 16)
+    trace["decode"] = []
+    for size in TRACE_BATCHES_CPU if cpu else TRACE_BATCHES_GPU:
+        trace["decode"].append(_eager_decode(model, device, size, context, repeats))
+        if device.type != "cuda":
+            continue
+        try:
+            trace["decode"].append(_graph_decode(model, device, size, context, repeats))
+        except Exception as e:  # graphs are a bonus: the eager series is fitted without them
+            trace["notes"].append(f"CUDA graph at batch {size} not captured: {_one_line(e)}")
+    dist.destroy_process_group()
+    return trace
+
+
+def check_trace(model_dir: Path, cpu: bool, scratch: Path) -> list[dict]:
+    from llamarl.comm.testing import run_distributed
+
+    trace = run_distributed(_trace_rank, 1, str(model_dir), cpu, timeout_s=300, fresh=True)[0]
+    (scratch / "gpu_trace.json").write_text(json.dumps(trace, indent=1))
+    modes = sorted({r["mode"] for r in trace["decode"]})
+    fastest = min(r["step_s"] for r in trace["decode"])
+    note = (
+        f"{len(trace['decode'])} decode steps timed ({', '.join(modes)}; fastest {fastest * 1e3:.2f} ms), "
+        f"train step {trace['train'][0]['step_s'] * 1e3:.0f} ms; {scratch / 'gpu_trace.json'}"
+    )
+    return [row("gpu trace", bool(trace["decode"] and trace["train"]), f"{len(modes)} launch modes", note)]
+
+
+# ------------------------------------------------------------------------------------------------
 
 
 def row(check: str, ok: bool, figure: str, note: str) -> dict[str, str]:
@@ -449,6 +597,7 @@ def main() -> int:
         ("sync", lambda: check_sync(big, args.cpu)),
         ("dcp", lambda: check_dcp(big, args.cpu, scratch)),
         ("app", lambda: check_app(app_model(), args.cpu, scratch, args.app_modes.split(","))),
+        ("trace", lambda: check_trace(big, args.cpu, scratch)),
     ]
     for name, run in steps:
         if name not in checks:

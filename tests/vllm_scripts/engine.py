@@ -1,7 +1,7 @@
 """Engine side of tests/test_vllm_adapter.py; runs in the vLLM environment.
 
 Waits for the trainer to write the served model folder, starts a real vLLM engine on it with llamarl's
-worker extension, generates greedily (old weights), joins the weight-sync group through collective_rpc,
+worker extension, generates greedily (old weights), joins the weight-sync group (`join_weight_sync`),
 receives two syncs, generating after each, and writes everything the parent test asserts on to
 `--result` (JSON): versions reported before/after, token ids and log-probs before/after, and vLLM's own
 sha256 of every parameter as the engine holds it after the sync.
@@ -51,7 +51,8 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from llamarl.comm.adapters.vllm import WORKER_EXTENSION_CLS, sync_weights
+    from llamarl.comm import WeightSyncEndpoint
+    from llamarl.comm.adapters.vllm import WORKER_EXTENSION_CLS, join_weight_sync, sync_weights
 
     wait_for(args.model_dir / "READY", deadline)
     t0 = time.monotonic()
@@ -85,16 +86,10 @@ def main() -> None:
     log(f"before sync: {result['token_ids_before']}")
 
     t0 = time.monotonic()
-    llm.collective_rpc(
-        "init_weight_sync",
-        kwargs={
-            "host": args.host,
-            "port": args.port,
-            "rank": 1,
-            "world_size": 2,
-            "timeout_s": args.timeout_s,
-        },
+    endpoint = WeightSyncEndpoint(
+        host=args.host, port=args.port, rank=1, world_size=2, timeout_s=args.timeout_s
     )
+    join_weight_sync(llm, endpoint)
     result["policy_versions"] = [sync_weights(llm)]
     result["sync_s"] = time.monotonic() - t0
     result["version_mid"] = llm.collective_rpc("weight_version")

@@ -133,10 +133,13 @@ def main() -> None:
     write_json(args.reference, reference)
     log(f"reference written: {len(prompt_ids)} prompt tokens, greedy {new_ids}")
 
-    from llamarl.comm import WeightSender, WeightSyncGroup
+    from llamarl.comm import WeightSender, WeightSyncEndpoint, WeightSyncGroup
 
     t0 = time.monotonic()
-    group = WeightSyncGroup(host=args.host, port=args.port, rank=0, world_size=2, timeout_s=args.timeout_s)
+    endpoint = WeightSyncEndpoint(
+        host=args.host, port=args.port, rank=0, world_size=2, timeout_s=args.timeout_s
+    )
+    group = WeightSyncGroup(endpoint)
     sender = WeightSender(group, model, bucket_bytes=4 << 20)  # returns once the engine has joined
     log(f"engine joined the group after {time.monotonic() - t0:.1f}s")
     # Two syncs, as in training: first the weights negated (as `--policy-version - 1`: a policy that is

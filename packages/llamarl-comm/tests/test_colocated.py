@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from llamarl.comm import WeightSyncError, WeightSyncGroup
+from llamarl.comm import WeightSyncEndpoint, WeightSyncError, WeightSyncGroup
 from llamarl.comm.colocated import ColocatedReceiver, ColocatedSender
 from llamarl.comm.shared_memory import cuda_args_from_json, cuda_args_to_json
 from llamarl.comm.testing import run_distributed
@@ -47,7 +47,9 @@ def test_cuda_ipc_handle_fields_round_trip_as_json() -> None:
 
 def _group(rank: int, world_size: int, rdv, timeout_s: float = 30.0) -> WeightSyncGroup:
     return WeightSyncGroup(
-        host=rdv.host, port=rdv.port, rank=rank, world_size=world_size, timeout_s=timeout_s
+        WeightSyncEndpoint(
+            host=rdv.host, port=rdv.port, rank=rank, world_size=world_size, timeout_s=timeout_s
+        )
     )
 
 

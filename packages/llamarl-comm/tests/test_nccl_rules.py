@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from llamarl.comm import WeightSyncError, WeightSyncGroup
+from llamarl.comm import WeightSyncEndpoint, WeightSyncError, WeightSyncGroup
 from llamarl.comm.testing import run_distributed, transport_kwargs
 
 pytestmark = pytest.mark.timeout(120)
@@ -19,11 +19,9 @@ DEADLINE_S = 3.0
 
 def _group(rank: int, world_size: int, rdv, transport: str) -> WeightSyncGroup:
     group = WeightSyncGroup(
-        host=rdv.host,
-        port=rdv.port,
-        rank=rank,
-        world_size=world_size,
-        timeout_s=DEADLINE_S,
+        WeightSyncEndpoint(
+            host=rdv.host, port=rdv.port, rank=rank, world_size=world_size, timeout_s=DEADLINE_S
+        ),
         **transport_kwargs(transport),
     )
     group.form(0)

@@ -11,7 +11,7 @@ from functools import partial
 import pytest
 import torch
 
-from llamarl.comm import WeightReceiver, WeightSender, WeightSyncError, WeightSyncGroup
+from llamarl.comm import WeightReceiver, WeightSender, WeightSyncEndpoint, WeightSyncError, WeightSyncGroup
 from llamarl.comm.testing import TRANSPORTS, run_distributed, transport_kwargs, wait_until
 
 pytestmark = pytest.mark.timeout(120)
@@ -24,7 +24,8 @@ def _engine_process(
 ) -> None:
     """One life of the engine at rank 1: join (or rejoin), receive once, save what it got."""
     group = WeightSyncGroup(
-        host=host, port=port, rank=1, world_size=2, timeout_s=TIMEOUT_S, **transport_kwargs(transport)
+        WeightSyncEndpoint(host=host, port=port, rank=1, world_size=2, timeout_s=TIMEOUT_S),
+        **transport_kwargs(transport),
     )
     weights = {"w": torch.zeros(64, 32), "b": torch.zeros(7), "emb": torch.zeros(300, 256)}
     receiver = WeightReceiver(group, weights)
@@ -40,11 +41,7 @@ def _engine_process(
 def _worker(rank: int, world_size: int, rdv, transport: str):
     if rank == 0:
         group = WeightSyncGroup(
-            host=rdv.host,
-            port=rdv.port,
-            rank=0,
-            world_size=2,
-            timeout_s=TIMEOUT_S,
+            WeightSyncEndpoint(host=rdv.host, port=rdv.port, rank=0, world_size=2, timeout_s=TIMEOUT_S),
             **transport_kwargs(transport),
         )
         weights = {"w": torch.randn(64, 32), "b": torch.randn(7), "emb": torch.randn(300, 256)}

@@ -7,7 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llamarl.comm import DestLayout, WeightReceiver, WeightSender, WeightSyncGroup, fused, tp_shard
+from llamarl.comm import (
+    DestLayout,
+    WeightReceiver,
+    WeightSender,
+    WeightSyncEndpoint,
+    WeightSyncGroup,
+    fused,
+    tp_shard,
+)
 from llamarl.comm.testing import TRANSPORTS, run_distributed, transport_kwargs
 
 pytestmark = pytest.mark.timeout(180)
@@ -85,11 +93,7 @@ def expected_shards(full: dict[str, torch.Tensor], tp_rank: int) -> dict[str, to
 
 def _sync_group(rank: int, world_size: int, rdv, transport: str) -> WeightSyncGroup:
     return WeightSyncGroup(
-        host=rdv.host,
-        port=rdv.port,
-        rank=rank,
-        world_size=world_size,
-        timeout_s=60,
+        WeightSyncEndpoint(host=rdv.host, port=rdv.port, rank=rank, world_size=world_size, timeout_s=60),
         **transport_kwargs(transport),
     )
 

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from llamarl.comm import WeightReceiver, WeightSender, WeightSyncError, WeightSyncGroup
+from llamarl.comm import WeightReceiver, WeightSender, WeightSyncEndpoint, WeightSyncError, WeightSyncGroup
 from llamarl.comm.testing import TRANSPORTS, run_distributed, transport_kwargs, wait_until
 
 pytestmark = pytest.mark.timeout(120)
@@ -43,11 +43,9 @@ def _model(seed: int) -> TinyLM:
 
 def _group(rank: int, world_size: int, rdv, transport: str, timeout_s: float = 30.0) -> WeightSyncGroup:
     return WeightSyncGroup(
-        host=rdv.host,
-        port=rdv.port,
-        rank=rank,
-        world_size=world_size,
-        timeout_s=timeout_s,
+        WeightSyncEndpoint(
+            host=rdv.host, port=rdv.port, rank=rank, world_size=world_size, timeout_s=timeout_s
+        ),
         **transport_kwargs(transport),
     )
 
@@ -75,7 +73,7 @@ def _sync_worker(rank: int, world_size: int, rdv, transport: str, bucket_bytes: 
         )
         return out
     model = _model(seed=100 + rank)  # different weights: must be overwritten
-    receiver = WeightReceiver(group, model, src_rank=0)
+    receiver = WeightReceiver(group, model)
     assert receiver.policy_version is None
     out = []
     for version in (3, 4):
@@ -226,9 +224,11 @@ def _flipped_byte_worker(rank: int, world_size: int, rdv, transport: str, direct
             return _FlipOneByteInTransit(inner(store, rank_, world_size_, timeout), index=1, back=back)
 
         group = WeightSyncGroup(
-            host=rdv.host, port=rdv.port, rank=rank, world_size=world_size, timeout_s=10.0,
+            WeightSyncEndpoint(
+                host=rdv.host, port=rdv.port, rank=rank, world_size=world_size, timeout_s=10.0
+            ),
             process_group_factory=flipping,
-        )  # fmt: skip
+        )
         sender = WeightSender(
             group, named, bucket_bytes=payload_bytes, direct_min_bytes=direct_min_bytes, checksum_stride=1
         )
@@ -257,7 +257,8 @@ def test_a_payload_byte_flipped_in_transit_is_refused_naming_its_bucket(
 
 def _receiver_then_die(host: str, port: int, named: dict, transport: str, group_kwargs: dict) -> None:
     group = WeightSyncGroup(
-        host=host, port=port, rank=1, world_size=2, **group_kwargs, **transport_kwargs(transport)
+        WeightSyncEndpoint(host=host, port=port, rank=1, world_size=2, **group_kwargs),
+        **transport_kwargs(transport),
     )
     WeightReceiver(group, {k: torch.zeros_like(v) for k, v in named.items()})
     os._exit(0)  # dies without a word, holding its connections
@@ -276,8 +277,11 @@ def _dead_receiver_worker(
     receiver_kwargs = {"timeout_s": max(sender_timeout_s, 4.0), **heartbeat}
     if rank == 0:
         group = WeightSyncGroup(
-            host=rdv.host, port=rdv.port, rank=0, world_size=world_size, timeout_s=sender_timeout_s,
-            **heartbeat, **transport_kwargs(transport),
+            WeightSyncEndpoint(
+                host=rdv.host, port=rdv.port, rank=0, world_size=world_size, timeout_s=sender_timeout_s,
+                **heartbeat,
+            ),
+            **transport_kwargs(transport),
         )  # fmt: skip
         sender = WeightSender(group, named, bucket_bytes=4096)
         if mode == "killed":  # send once the receiver is dead (its parent saw it exit)
@@ -302,9 +306,9 @@ def _dead_receiver_worker(
         open(receiver_gone, "w").close()
         return child.exitcode
     group = WeightSyncGroup(
-        host=rdv.host, port=rdv.port, rank=1, world_size=world_size, **receiver_kwargs,
+        WeightSyncEndpoint(host=rdv.host, port=rdv.port, rank=1, world_size=world_size, **receiver_kwargs),
         **transport_kwargs(transport),
-    )  # fmt: skip
+    )
     WeightReceiver(group, {k: torch.zeros_like(v) for k, v in named.items()})
     # Alive but never receives, until the sender gave up: it must not wait past its deadline.
     wait_until(lambda: os.path.exists(sender_done), timeout_s=30, what="the sender's error")
@@ -351,9 +355,11 @@ def _fault_in_the_middle(host: str, port: int, named: dict, transport: str, faul
     (it stays alive and beating, and its sync fails); "freeze-in-transfer": it freezes at its first
     wait for a transfer instead, once it has posted its receives and told rank 0 so, as the bytes flow."""
     group = WeightSyncGroup(
-        host=host, port=port, rank=1, world_size=3, timeout_s=FAULT_TIMEOUT_S, **HEARTBEAT,
+        WeightSyncEndpoint(
+            host=host, port=port, rank=1, world_size=3, timeout_s=FAULT_TIMEOUT_S, **HEARTBEAT
+        ),
         **transport_kwargs(transport),
-    )  # fmt: skip
+    )
     where = "wait" if fault == "freeze-in-transfer" else "recv"
     original = getattr(group, where)
 
@@ -390,9 +396,11 @@ def _mid_sync_fault_worker(rank: int, world_size: int, rdv, transport: str, faul
         child.join(timeout=30)
         return child.exitcode
     group = WeightSyncGroup(
-        host=rdv.host, port=rdv.port, rank=rank, world_size=3, timeout_s=FAULT_TIMEOUT_S, **HEARTBEAT,
+        WeightSyncEndpoint(
+            host=rdv.host, port=rdv.port, rank=rank, world_size=3, timeout_s=FAULT_TIMEOUT_S, **HEARTBEAT
+        ),
         **transport_kwargs(transport),
-    )  # fmt: skip
+    )
     start = time.monotonic()
     try:
         if rank == 0:

@@ -1,11 +1,31 @@
 """The one line a rank killed by a signal leaves (the out-of-memory reading runs for real in
-tests/test_user_errors.py, under a memory cgroup), and a rank's interrupt that Python would swallow."""
+tests/test_user_errors.py, under a memory cgroup), a rank's interrupts that Python would swallow or
+complain about, and the error records a rank leaves."""
 
+import re
 import subprocess
 import sys
 import textwrap
 
-from llamarl.control.launch.failures import describe_killed
+import psutil
+import pytest
+
+from llamarl.control.launch.failures import (
+    describe_killed,
+    discard_unused_error_records,
+    error_record,
+    read_error_records,
+    reserve_error_record,
+    write_error_record,
+)
+from llamarl.control.launch.memory import ProcessTreeMemory
+
+# A rank that touches 200 MB and starts a child of its own, then waits.
+HOLDS_200_MB_WITH_A_CHILD = (
+    "import subprocess, sys, time; b = bytearray(200 << 20); b[::4096] = b'x' * len(b[::4096]); "
+    "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+    "print('ready', flush=True); time.sleep(60)"
+)
 
 
 def test_a_killed_rank_is_named_with_its_executor_when_known():
@@ -48,3 +68,68 @@ def test_an_interrupt_that_comes_during_a_finalizer_still_stops_the_rank():
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=15)
     assert result.stdout.strip() == "stopped by SIGTERM", result.stdout + result.stderr
     assert result.stderr == ""
+
+
+def test_sigint_and_sigterm_arriving_together_stop_the_rank_once_and_quietly():
+    # Ctrl-C sends SIGINT to every process of the terminal's group while torch elastic sends SIGTERM to
+    # each rank: both can be pending when the rank next runs Python. The second must be ignored without
+    # Python's "OSError: Signal 15 ignored due to race condition" and its traceback.
+    script = textwrap.dedent(
+        """
+        import os, signal, time
+        from llamarl.control.launch.failures import Interrupted, raise_on_interrupt
+
+        raise_on_interrupt()
+        both = {signal.SIGINT, signal.SIGTERM}
+        try:
+            signal.pthread_sigmask(signal.SIG_BLOCK, both)
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGINT)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, both)  # both delivered at once
+            time.sleep(20)
+            print("ran on")
+        except Interrupted as e:
+            time.sleep(0.2)  # the rank's cleanup, during which the second signal is handled
+            print("stopped by", e)
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=15)
+    assert result.stdout.strip() == "stopped by SIGINT", result.stdout + result.stderr
+    assert result.stderr == ""
+
+
+def test_a_rank_that_did_not_fail_leaves_no_error_record(tmp_path):
+    unused, used = tmp_path / "rank0.json", tmp_path / "rank1.json"
+    for path in (unused, used):
+        reserve_error_record(path)
+    write_error_record(used, error_record(1, ValueError("bad"), "Traceback ..."))
+    discard_unused_error_records(tmp_path)
+    assert not unused.exists()
+    assert read_error_records(tmp_path)[1]["error"] == "ValueError: bad"
+
+
+@pytest.mark.timeout(60)
+def test_a_killed_rank_is_named_with_what_it_and_the_machine_held_at_the_last_look():
+    # The launcher's sampler saw a rank holding 200 MB with a child of its own, then the rank was killed:
+    # the line says what the rank's whole tree held at the last look that found it alive.
+    rank = subprocess.Popen(
+        [sys.executable, "-c", HOLDS_200_MB_WITH_A_CHILD], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert rank.stdout.readline().strip() == "ready"
+        memory = ProcessTreeMemory("launcher")
+        memory.sample()
+    finally:
+        for child in psutil.Process(rank.pid).children():
+            child.kill()
+        rank.kill()
+        rank.wait()
+    memory.sample()  # the look after the kill finds the rank gone: what it held before stays known
+    line = describe_killed(1, rank.pid, "SIGSEGV", memory, role="generator")
+    held = re.fullmatch(
+        rf"rank 1 \(generator\) died \(SIGSEGV; pid {rank.pid}; it held (\d+) MB with its engines and "
+        r"workers, the machine had \d+ of \d+ MB free at the last look\)",
+        line,
+    )
+    assert held is not None, line
+    assert int(held.group(1)) > 200  # the rank's 200 MB and its child's interpreter

@@ -43,7 +43,7 @@ def paused_after(steps: int, generator: HFGenerator, *, new_version: int | None 
         nonlocal calls
         calls += 1
         if calls == 1 and new_version is not None:
-            generator.policy_version = new_version
+            generator._policy_version = new_version  # what a sync taken here would set
         if calls == steps:
             raise PauseGeneration
 
@@ -51,7 +51,7 @@ def paused_after(steps: int, generator: HFGenerator, *, new_version: int | None 
 
 
 def test_a_paused_request_saved_and_continued_ends_as_if_never_paused(generator):
-    generator.policy_version = 4
+    generator._policy_version = 4  # stands in for a sync of version 4 (read-only from outside)
     whole = generator.generate(PROMPTS, samples_per_prompt=2, max_new_tokens=12, greedy=True)
     with pytest.raises(GenerationPaused) as paused:
         generator.generate(
@@ -82,7 +82,7 @@ def test_a_paused_request_saved_and_continued_ends_as_if_never_paused(generator)
 
 
 def test_a_request_paused_twice_keeps_the_version_of_every_token(generator):
-    generator.policy_version = 0
+    generator.serve_initial_weights()
     with pytest.raises(GenerationPaused) as paused:
         generator.generate(
             PROMPTS, samples_per_prompt=2, max_new_tokens=12, between_steps=paused_after(3, generator)
@@ -92,7 +92,7 @@ def test_a_request_paused_twice_keeps_the_version_of_every_token(generator):
     # New weights arrive in the continuation (version 1), which is paused again; then version 2.
     with pytest.raises(GenerationPaused):
         request.resume(generator, max_new_tokens=12, between_steps=paused_after(3, generator, new_version=1))
-    generator.policy_version = 2
+    generator._policy_version = 2  # stands in for a sync of version 2
     batch = request.resume(generator, max_new_tokens=12, between_steps=None)
     mask = batch.completion_mask_BC.bool()
     versions = batch.token_version_BC

@@ -1,16 +1,22 @@
-"""The server the ranks fork from: each job's ranks see that job's environment, and the launcher still
-finds its ranks (for their memory) below the server."""
+"""The server the ranks fork from: each job's ranks see that job's environment, the launcher still
+finds its ranks (for their memory) below the server, and the server and everything below it die with
+the launcher, however it dies."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
+import subprocess
+import sys
 import time
 
 import psutil
+import pytest
 
+from llamarl.comm.testing import wait_until
 from llamarl.control.launch import launcher
-from llamarl.control.launch.failures import rank_processes
+from llamarl.control.launch.memory import ProcessTreeMemory
 
 # Targets are library functions: a forked child finds them by module name (this test module's name is
 # not importable there).
@@ -40,14 +46,74 @@ def test_the_launcher_finds_its_ranks_below_the_fork_server(monkeypatch):
         for rank in ranks:
             rank.start()
         try:
-            found = {p.pid for p in rank_processes(psutil.Process())}
+            memory = ProcessTreeMemory("launcher")
+            memory.sample()
             server = multiprocessing.forkserver._forkserver._forkserver_pid
-            assert {rank.pid for rank in ranks} <= found
-            assert server not in found  # the server's own memory is shared with the ranks, not theirs
+            for rank in ranks:
+                held = memory.tree_rss_mb(rank.pid)
+                assert held is not None and held > 1
+                # the server's own memory is shared with the ranks, not theirs
+                assert held == pytest.approx(psutil.Process(rank.pid).memory_info().rss / 2**20, rel=0.2)
+            assert memory.tree_rss_mb(server) > sum(memory.tree_rss_mb(rank.pid) for rank in ranks)
         finally:
             for rank in ranks:
                 rank.kill()
                 rank.join(timeout=30)
+
+
+# A launcher in small: two ranks forked from the server, each with a child of its own (an engine, a
+# reward worker), all sleeping.
+_LAUNCHER = """
+import multiprocessing, subprocess, sys, time
+from llamarl.control.launch import launcher
+
+launcher.RANK_PRELOAD = []
+with launcher._rank_fork_server():
+    context = multiprocessing.get_context("forkserver")
+    child = [sys.executable, "-c", "import time; time.sleep(120)", "rank-child"]
+    for _ in range(2):
+        context.Process(target=subprocess.run, args=(child,)).start()
+    time.sleep(120)
+"""
+
+
+def _processes_of_session(sid: int) -> list[psutil.Process]:
+    alive = []
+    for process in psutil.process_iter():
+        try:
+            if os.getsid(process.pid) == sid and process.status() != psutil.STATUS_ZOMBIE:
+                alive.append(process)
+        except (psutil.Error, OSError):
+            continue
+    return alive
+
+
+def _rank_children(sid: int) -> int:
+    count = 0
+    for process in _processes_of_session(sid):
+        with contextlib.suppress(psutil.Error):
+            count += process.cmdline()[-1:] == ["rank-child"]
+    return count
+
+
+@pytest.mark.timeout(120)
+def test_a_launcher_killed_with_sigkill_takes_the_fork_server_its_ranks_and_their_children_along():
+    launcher_process = subprocess.Popen([sys.executable, "-c", _LAUNCHER], start_new_session=True)
+    sid = launcher_process.pid
+    try:
+        wait_until(lambda: _rank_children(sid) == 2, timeout_s=60, what="the ranks' children to start")
+        assert len(_processes_of_session(sid)) >= 6  # launcher, server, tracker, 2 ranks, 2 children
+        launcher_process.kill()  # what a scheduler does once its grace period is over
+        launcher_process.wait()
+        deadline = time.monotonic() + 10
+        while _processes_of_session(sid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = [(p.pid, p.name()) for p in _processes_of_session(sid)]
+        assert not left, f"still running 10 s after the launcher was killed: {left}"
+    finally:
+        for process in _processes_of_session(sid):
+            with contextlib.suppress(psutil.Error):
+                process.kill()
 
 
 # A training step in small: allocates and fills tensors of 4 to 64 MiB, frees them, five times over;
@@ -64,7 +130,6 @@ print(faults() - before)
 
 
 def _last_round_faults(tmp_path, name: str) -> int:
-    import sys
 
     report = tmp_path / name
     context = multiprocessing.get_context("forkserver")

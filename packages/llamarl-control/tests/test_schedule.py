@@ -51,6 +51,12 @@ class FakeGenerator:
         self.policy_version = self.link.receive()
         return self.policy_version
 
+    def mark_weights_lost(self) -> None:
+        self.policy_version = None
+
+    def serve_initial_weights(self) -> None:
+        self.policy_version = 0
+
     def generate(
         self, prompts, *, samples_per_prompt, max_new_tokens, greedy=False, between_steps=None
     ) -> RolloutBatch:

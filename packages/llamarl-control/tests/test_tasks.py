@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -257,3 +258,154 @@ def test_reasoning_gym_tasks_by_name_make_rows_offline_and_score_with_its_verifi
     assert reward.fn([], f"I think <answer>{row['answer']}</answer>", row) == 1.0
     assert reward.fn([], "no tags", row) == 0.0
     assert "<answer>" in task.messages(row)[-1]["content"]
+
+
+# -- what a task's own code can get wrong, found before any rank starts ------------------------------
+
+
+def test_a_row_without_a_field_the_prompt_names_is_one_line_naming_the_row(tmp_path):
+    from llamarl.control.tasks import Task
+
+    task = Task(name="t", prompt="{question} (in {unit:>{width}})", rewards=[gsm8k_answer_for_test])
+    rows = [{"question": "q", "unit": "m", "width": 3}, {"question": "q", "width": 3}]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(DataError) as info:
+        load_rows(task, str(tmp_path), "train")
+    assert str(info.value) == f"{tmp_path / 'train.jsonl'}:2: missing field 'unit' (the prompt names it)"
+    in_code = dataclasses.replace(task, rows={"train": [rows[0], {"unit": "m", "width": 2}]})
+    with pytest.raises(
+        DataError, match=r"^t\[train\]\[1\]: missing field 'question' \(the prompt names it\)$"
+    ):
+        load_rows(in_code, None, "train")
+
+
+def test_a_prompt_function_that_fails_on_a_row_is_one_line_naming_the_row():
+    from llamarl.control.tasks import Task
+
+    task = Task(
+        name="t",
+        rows={"train": [{"q": "x"}, {"r": "y"}]},
+        prompt=prompt_of_q,
+        rewards=[gsm8k_answer_for_test],
+    )
+    with pytest.raises(DataError) as info:
+        load_rows(task, None, "train")
+    assert str(info.value) == "t[train][1]: the prompt function raised KeyError: 'q'"
+
+
+def test_a_prompt_that_is_not_a_format_string_of_row_fields_is_refused_when_checked():
+    from llamarl.control.tasks import Task, TaskError
+
+    for prompt, message in [
+        ("Solve {}.", "the prompt's field {} is positional"),
+        ("Solve {0}.", "the prompt's field {0} is positional"),
+        ("Solve {question.", "expected '}' before end of string"),
+    ]:
+        with pytest.raises(TaskError, match=re.escape(f"task 't': {message}")):
+            Task(name="t", prompt=prompt, rewards=[gsm8k_answer_for_test]).check()
+
+
+def test_a_tool_whose_docstring_misses_an_argument_is_one_line_when_checked(tmp_path):
+    from llamarl.control.tasks import Task, TaskError
+    from llamarl.control.tasks.registry import load_task
+
+    task = Task(name="t", rewards=[gsm8k_answer_for_test], tools=[undocumented_tool])
+    with pytest.raises(TaskError) as info:
+        task.check()
+    assert str(info.value) == (
+        "task 't': tool 'undocumented_tool': its docstring has no Args: entry for the argument 'unit'"
+    )
+    with pytest.raises(TaskError, match="tool 'untyped_tool': the argument 'city' has no type hint"):
+        dataclasses.replace(task, tools=[untyped_tool]).check()
+    # A task module is checked when it is loaded, before any rank starts.
+    (tmp_path / "tool_task.py").write_text(TOOL_TASK)
+    with pytest.raises(
+        TaskError, match="tool 'distance': its docstring has no Args: entry for the argument 'to'"
+    ):
+        load_task(None, f"{tmp_path / 'tool_task.py'}:TASK")
+
+
+TOOL_TASK = '''
+from llamarl.control import Task
+from llamarl.exec.reward.functions import gsm8k_answer
+
+def distance(frm: str, to: str) -> str:
+    """The distance between two cities.
+
+    Args:
+        frm: where from
+    """
+    return "12 km"
+
+TASK = Task(name="trip", rows={"train": [{"question": "q"}]}, rewards=[gsm8k_answer], tools=[distance])
+'''
+
+
+def gsm8k_answer_for_test(prompt, completion, row):
+    return 0.0
+
+
+def prompt_of_q(row):
+    return f"Say {row['q']}."
+
+
+def undocumented_tool(city: str, unit: str) -> str:
+    """The temperature of a city.
+
+    Args:
+        city: its name
+    """
+    return "20"
+
+
+def untyped_tool(city) -> str:
+    """The temperature of a city.
+
+    Args:
+        city: its name
+    """
+    return "20"
+
+
+# -- correctness -------------------------------------------------------------------------------------
+
+
+def test_built_in_tasks_say_when_a_sample_is_right():
+    from llamarl.control.tasks.arith import ARITH
+    from llamarl.control.tasks.calc import CALC
+    from llamarl.control.tasks.retry import RETRY
+
+    row = {"question": "What is 3 + 4?", "answer": "3 + 4 = 7\n#### 7"}
+    for task in (GSM8K, ARITH, CALC):
+        assert (
+            task.is_correct([], "So 3 + 4 = 7.\n#### 7", row, reward=0.0) is True
+        )  # the checker, not the reward
+        assert task.is_correct([], "#### 8", row, reward=1.0) is False
+    assert MATH.is_correct([], "so \\boxed{\\frac{1}{2}}", {"answer": "0.5"}, reward=0.0) is True
+    assert MATH.is_correct([], "so \\boxed{2}", {"answer": "0.5"}, reward=1.0) is False
+    # retry: right on any try (its environment's reward 1, 1/2 or 1/3), wrong after three misses (0)
+    assert [RETRY.is_correct([], "", row, reward=r) for r in (1.0, 0.5, 1 / 3, 0.0)] == [
+        True,
+        True,
+        True,
+        False,
+    ]
+
+
+def test_a_task_of_ones_own_defines_correctness_by_a_function_or_a_threshold():
+    from llamarl.control.tasks import Task, TaskError
+
+    by_function = Task(name="t", rewards=[gsm8k_answer_for_test], correct=shouted)
+    assert by_function.is_correct([], "CAT!", {"word": "cat"}, reward=0.0) is True
+    assert by_function.is_correct([], "cat", {"word": "cat"}, reward=1.0) is False
+    by_threshold = Task(name="t", rewards=[gsm8k_answer_for_test], correct=0.5)
+    assert [by_threshold.is_correct([], "", {}, reward=r) for r in (0.5, 0.75)] == [False, True]
+    assert Task(name="t", rewards=[gsm8k_answer_for_test]).is_correct([], "", {}, reward=1.0) is None
+    with pytest.raises(TaskError, match="correct must be a function"):
+        Task(name="t", rewards=[gsm8k_answer_for_test], correct="yes")
+    with pytest.raises(TaskError, match="correct cannot be sent to worker processes"):
+        Task(name="t", rewards=[gsm8k_answer_for_test], correct=lambda p, c, r: True).check()
+
+
+def shouted(prompt, completion, row):
+    return row["word"].upper() in completion

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from llamarl.control.outputs.report import load_run, phase_seconds_per_tick, write_report
+from llamarl.control.outputs.report import figure, load_run, memory_line, phase_seconds_per_tick, write_report
 from llamarl.control.outputs.timeline import Span, Timeline, read_chrome_trace, write_chrome_trace
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -104,6 +104,56 @@ def test_report_is_drawn_from_the_files_of_a_run(tmp_path):
     data = path.read_bytes()
     assert data.startswith(PNG_MAGIC) and len(data) > 20_000
     assert not list(out.glob("*.tmp*"))
+
+
+def _busy_run_memory() -> list[dict]:
+    """The processes of a run on 2 trainers and 2 generators, whose trainers compile (g++, cc1plus, ld
+    each time) and whose generators each have a vLLM engine with helpers and 4 reward workers."""
+    processes = []
+    for rank in range(4):
+        role = "trainer" if rank < 2 else "generator"
+        processes.append({"process": f"rank {rank} {role}", "peak_rss_mb": 4000.0, "kind": "main"})
+        if role == "trainer":
+            for tool in ("g++", "cc1plus", "as", "ld") * 6:
+                processes.append(
+                    {"process": f"rank {rank} trainer child ({tool})", "peak_rss_mb": 50.0, "kind": "helper"}
+                )
+        else:
+            processes.append(
+                {"process": f"rank {rank} generator vllm engine", "peak_rss_mb": 3000.0, "kind": "engine"}
+            )
+            processes.append(
+                {"process": f"rank {rank} generator engine helper", "peak_rss_mb": 20.0, "kind": "helper"}
+            )
+            for _ in range(4):
+                processes.append(
+                    {
+                        "process": f"rank {rank} generator reward worker",
+                        "peak_rss_mb": 100.0,
+                        "kind": "worker",
+                    }
+                )
+    processes.append({"process": "launcher", "peak_rss_mb": 600.0, "kind": "main"})
+    return processes
+
+
+def test_the_report_lists_ranks_engines_and_workers_and_its_title_fits_the_picture(tmp_path):
+    processes = _busy_run_memory()
+    summary = {"memory_per_process": processes, "peak_rss_mb_total": sum(p["peak_rss_mb"] for p in processes)}
+    line = memory_line(summary)
+    for tool in ("g++", "cc1plus", "ld"):
+        assert tool not in line, line
+    assert "rank 2 generator reward worker x4 0.4" in line and "rank 3 generator vllm engine 2.9" in line
+    assert line.endswith("launcher 0.6, 50 helper processes 2.4"), line  # nothing uncounted
+    out = tmp_path / "run"
+    _fake_run(out)
+    fig = figure([load_run(out)], "arith async: 6 steps\n" + line)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    title = fig.get_suptitle() and fig._suptitle.get_window_extent(renderer)
+    assert title.x0 >= 0 and title.x1 <= fig.bbox.x1 and title.y1 <= fig.bbox.y1, (title, fig.bbox)
+    top_of_panels = max(ax.get_tightbbox(renderer).y1 for ax in fig.axes)
+    assert top_of_panels <= title.y0  # the panels start below the title's last line
 
 
 def test_a_folder_without_a_finished_run_is_a_clear_error(tmp_path):

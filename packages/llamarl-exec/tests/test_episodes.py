@@ -146,3 +146,22 @@ def test_limits_and_a_broken_environment(chat_model_dir, tokenizer):
     )
     assert len(episodes[0].ids) <= 12 and episodes[0].mask[-1] == 1  # the token limit, ending on a model turn
     generator.close()
+
+
+def test_an_environment_reward_that_is_not_a_finite_number_drops_its_episode(chat_model_dir, tokenizer):
+    generator = HFGenerator(str(chat_model_dir), SamplingConfig(), seed=1)
+    generator.setup()
+    rows = [{"turns": 1, "reward": float("nan")}, {"turns": 1, "reward": "1"}, {"turns": 1, "reward": 0.5}]
+    episodes = _episodes(tokenizer, rows, group_size=1)
+    limits = EpisodeLimits(max_turns=2, max_new_tokens=4, max_episode_tokens=60)
+    run_episodes(
+        episodes, generator.open_turns(), tokenizer=tokenizer, glue=ChatGlue(tokenizer), limits=limits
+    )
+    nan, text, fine = episodes
+    assert nan.dropped and nan.error == "environment step() returned Finish(reward=nan), not a finite number"
+    assert (
+        text.dropped and text.error == "environment step() returned Finish(reward='1'), not a finite number"
+    )
+    assert nan.ids == [] and text.ids == []  # nothing of them is trained on
+    assert fine.finished and fine.reward == 0.5 and not fine.dropped
+    generator.close()

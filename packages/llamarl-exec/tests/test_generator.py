@@ -6,11 +6,12 @@ import pytest
 import torch
 
 from llamarl.exec import HFGenerator, SamplingConfig
-from llamarl.exec.generate.hf import draw_tokens
+from llamarl.exec.generate.hf_sampling import draw_tokens
 from llamarl.exec.testing import TINY_EOS_TOKEN_ID as EOS_TOKEN_ID
 from llamarl.exec.testing import TINY_PAD_TOKEN_ID as PAD_TOKEN_ID
 from llamarl.exec.testing import TINY_VOCAB_SIZE as VOCAB_SIZE
 from llamarl.exec.testing import build_trainer
+from llamarl.exec.types import WeightsNotSyncedError
 
 # Several stop tokens so that some completions of the random model end early and others hit the limit.
 STOP_IDS = [EOS_TOKEN_ID, 50, 51]
@@ -26,7 +27,7 @@ def generator(tiny_model_dir):
 
 
 def test_rollout_batch_shapes_and_masks(generator):
-    generator.policy_version = 7
+    generator._policy_version = 7  # stands in for a sync of version 7 (read-only from outside)
     batch = generator.generate(PROMPTS, samples_per_prompt=3, max_new_tokens=12)
     num_sequences = len(PROMPTS) * 3
     assert batch.group_size == 3
@@ -155,6 +156,22 @@ def test_a_models_min_new_tokens_does_not_hold_back_the_stop_token(tiny_model_di
     assert batch.completion_mask_BC.sum() == 1
 
 
+def test_the_policy_version_changes_only_through_the_generators_own_methods(generator):
+    """Read-only from outside; weights marked lost sample nothing until they are known again, and an
+    unsynced generator serves its checkpoint as version 0 (after a sync it refuses to: test_lora)."""
+    with pytest.raises(AttributeError):
+        generator.policy_version = 3
+    generator.serve_initial_weights()
+    assert generator.policy_version == 0
+    generator.mark_weights_lost()
+    assert generator.policy_version is None
+    with pytest.raises(WeightsNotSyncedError):
+        generator.generate(PROMPTS, samples_per_prompt=1, max_new_tokens=2)
+    generator.serve_initial_weights()
+    batch = generator.generate(PROMPTS, samples_per_prompt=1, max_new_tokens=2)
+    assert batch.policy_version_B.tolist() == [0] * len(PROMPTS)
+
+
 def test_weights_loaded_between_decoding_steps_take_effect_and_stamp_every_token(tiny_model_dir):
     """An in-flight update (stream mode): new weights loaded by `between_steps` after the 4th token.
 
@@ -172,7 +189,7 @@ def test_weights_loaded_between_decoding_steps_take_effect_and_stamp_every_token
             with torch.no_grad():
                 for p in gen.model.parameters():
                     p.mul_(1.5)  # a different policy
-            gen.policy_version = 1
+            gen._policy_version = 1  # what a sync taken here would set
 
     batch = gen.generate(PROMPTS, samples_per_prompt=2, max_new_tokens=8, between_steps=between_steps)
     assert batch.completion_ids_BC.shape[1] == 8  # no stop tokens: every completion runs to the limit

@@ -85,13 +85,16 @@ def test_in_bf16_the_frozen_base_is_held_once_in_bf16_and_the_saved_model_is_flo
 
 def _sync_worker(rank: int, world_size: int, rdv, model_dir: str, batch, lora_rank: int, dtype: str):
     """Rank 0 trains (LoRA or full) and sends after each step; rank 1, an hf generator, receives."""
-    from llamarl.comm import WeightSender, WeightSyncGroup
+    from llamarl.comm import WeightSender, WeightSyncEndpoint, WeightSyncGroup
 
+    endpoint = WeightSyncEndpoint(
+        host=rdv.host, port=rdv.port, rank=0, world_size=2, timeout_s=60, dead_after_s=4.0
+    )
     lora = LoraConfig(rank=lora_rank)
     wire = torch.bfloat16 if dtype == "bfloat16" else None
     if rank == 0:
         trainer = _trainer(model_dir, lora=lora, compute_dtype=None if wire is None else dtype, pack_tokens=0)
-        group = WeightSyncGroup(host=rdv.host, port=rdv.port, rank=0, world_size=2, timeout_s=60)
+        group = WeightSyncGroup(endpoint)
         sender = WeightSender(group, trainer.sync_tensors(), wire_dtype=wire)
         stats = []
         for _ in range(NUM_STEPS):
@@ -105,14 +108,14 @@ def _sync_worker(rank: int, world_size: int, rdv, model_dir: str, batch, lora_ra
         model_dir, SamplingConfig(), dtype=dtype, lora=lora, seed=0, eos_token_ids=[TINY_EOS_TOKEN_ID]
     )
     generator.setup()
-    generator.connect_weight_sync(
-        host=rdv.host, port=rdv.port, rank=1, world_size=2, timeout_s=60, dead_after_s=4.0
-    )
-    dead_after_s = generator._weights.group.dead_after_s
+    generator.connect_weight_sync(endpoint.for_rank(1))
+    dead_after_s = generator._weights.group.endpoint.dead_after_s
     for _ in range(NUM_STEPS):
         # Sampling between syncs, as a run does: the packed copies of the old weights must not survive.
         generator.generate([[1, 2, 3]], samples_per_prompt=1, max_new_tokens=2)
         version = generator.receive_weights(60)
+    with pytest.raises(RuntimeError, match="came from a weight sync"):
+        generator.serve_initial_weights()  # its weights are the trainer's now, not the checkpoint
     # What the generator's model now computes, scored by a trainer forward (padded rows, as the trainer
     # scored its own) on the generator's module.
     scorer = build_trainer(model_dir, pack_tokens=0, lora=lora)

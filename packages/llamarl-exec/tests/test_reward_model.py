@@ -1,11 +1,12 @@
 """The reward-model executors on tiny models built from a config, with SmolLM2's real tokenizer (local).
 
 A score must be the model's own forward pass on the sample's text, whatever else shares its batch; a
-NaN must stop the run with a line naming the sample.
+NaN costs its sample (scored 0, counted) with a line naming the sample, and never reaches the reward.
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -79,7 +80,7 @@ def test_classifier_scores_are_the_models_own_forward_on_each_text(classifier_di
     assert squashed == pytest.approx(torch.sigmoid(torch.tensor(expected)).tolist(), abs=1e-6)
 
 
-def test_a_nan_score_is_one_line_naming_the_sample(tmp_path, classifier_dir, tokenizer):
+def test_a_nan_score_costs_its_sample_with_one_line_naming_it(tmp_path, classifier_dir, tokenizer, caplog):
     from transformers import AutoModelForSequenceClassification
 
     model = AutoModelForSequenceClassification.from_pretrained(classifier_dir)
@@ -93,11 +94,19 @@ def test_a_nan_score_is_one_line_naming_the_sample(tmp_path, classifier_dir, tok
     model.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     scorer = RewardModelScorer(RewardModelConfig(path=str(tmp_path)))
-    with pytest.raises(RewardModelError) as caught:
-        scorer.score(QUESTIONS, COMPLETIONS, REFERENCES)
-    message = str(caught.value)
+    clean = RewardModelScorer(RewardModelConfig(path=str(classifier_dir))).score(
+        QUESTIONS, COMPLETIONS, REFERENCES
+    )
+    with caplog.at_level(logging.WARNING, logger="llamarl.exec.reward.model"):
+        scores = scorer.score(QUESTIONS, COMPLETIONS, REFERENCES)
+    # Only the poisoned sample is lost; the others keep the model's own score.
+    assert scores[2] == 0.0 and scores[:2] + scores[3:] == pytest.approx(clean[:2] + clean[3:], abs=1e-5)
+    assert scorer.num_failures == 1
+    [message] = [r.getMessage() for r in caplog.records]
     assert "\n" not in message
-    assert "scored sample 2 nan" in message and "How much is 9 plus 1?" in message, message
+    assert "scored sample 2 nan, not a finite number" in message and "How much is 9 plus 1?" in message, (
+        message
+    )
 
 
 def test_a_classifier_must_have_one_label(tmp_path, tokenizer):

@@ -4,6 +4,7 @@ reward functions, timeouts and failures."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import pytest
@@ -18,7 +19,15 @@ from llamarl.exec import (
     math_answer,
     math_reward,
 )
-from llamarl.exec.testing import async_match_reward, failing_reward, length_reward, slow_reward
+from llamarl.exec.reward.functions import score_samples
+from llamarl.exec.testing import (
+    async_match_reward,
+    busy_reward,
+    failing_reward,
+    length_reward,
+    odd_reward,
+    slow_reward,
+)
 
 
 def _score(rewarder: ProcessRewarder, completions: list[str], rows: list[dict] | None = None) -> list[float]:
@@ -104,9 +113,9 @@ def test_a_failing_verifier_scores_zero_with_a_warning(caplog):
         assert scores == [0.0, 1.0, 0.0, 1.0, 0.0]
         assert rewarder.num_errors == 3
         assert _score(rewarder, ["ok"]) == [1.0]
-    assert "verifier bug" in caplog.text
-    assert "died" in caplog.text
-    assert "returned 'yes', not a number" in caplog.text
+    assert "reward function 'failing_reward' raised RuntimeError: verifier bug; sample 0" in caplog.text
+    assert "died (exit code 3) in reward function 'failing_reward'; sample 2" in caplog.text
+    assert "reward function 'failing_reward' returned 'yes', not a number; sample 4" in caplog.text
 
 
 def test_weighted_batched_and_async_rewards_add_up():
@@ -126,3 +135,115 @@ def test_weighted_batched_and_async_rewards_add_up():
 def test_a_rewarder_needs_a_reward_function():
     with pytest.raises(ValueError, match="at least one reward function"):
         ProcessRewarder([], RewardConfig())
+
+
+def test_a_reward_that_is_not_a_finite_number_costs_its_sample_as_a_raise_does(caplog):
+    completions = ["nan", "ok", "inf", "none", "list", "ok"]
+    with (
+        caplog.at_level(logging.WARNING, logger="llamarl.exec.reward.pool"),
+        ProcessRewarder(
+            [odd_reward, (slow_reward, 0.5)], RewardConfig(num_workers=1, timeout_s=30)
+        ) as rewarder,
+    ):
+        # odd_reward's part is 0 where it gave no finite number; slow_reward's half still counts
+        assert _score(rewarder, completions) == [0.5, 1.5, 0.5, 0.5, 0.5, 1.5]
+        assert rewarder.num_errors == 4 and rewarder.num_failures == 4
+    lines = [r.getMessage() for r in caplog.records]
+    assert (
+        "reward function 'odd_reward' returned nan, not a finite number; "
+        "sample 0 (prompt 'q', completion 'nan') scored 0"
+    ) in lines
+    assert (
+        "reward function 'odd_reward' returned inf, not a finite number; "
+        "sample 2 (prompt 'q', completion 'inf') scored 0"
+    ) in lines
+    assert any(
+        line.startswith("reward function 'odd_reward' returned None, not a number; sample 3 (")
+        for line in lines
+    )
+    assert any(
+        line.startswith("reward function 'odd_reward' returned [1.0], not a number; sample 4 (")
+        for line in lines
+    )
+    assert all("\n" not in line for line in lines)
+
+
+def test_a_batched_reward_with_a_nan_costs_only_that_sample():
+    def batched(prompts, completions, rows):
+        return [float("nan") if c == "nan" else 0.5 for c in completions]
+
+    scores, errors = score_samples([Reward(batched, batched=True)], [[]] * 3, ["a", "nan", "b"], [{}] * 3)
+    assert scores == [0.5, 0.0, 0.5]
+    assert errors == [None, "reward function 'batched' returned nan, not a finite number", None]
+    [_], [error] = score_samples([Reward(lambda p, c, r: 1.0, batched=True, name="f")], [[]], ["a"], [{}])
+    assert error == "reward function 'f' returned float, not a list of 1 scores"
+
+
+def test_samples_that_hang_are_cut_together_naming_the_function(caplog):
+    """One worker, four samples that sleep past the deadline: the pool starts workers beside the one
+    that waits, so the batch costs about one deadline (it cost four, one after another)."""
+    timeout_s = 2.0
+    with (
+        caplog.at_level(logging.WARNING, logger="llamarl.exec.reward.pool"),
+        ProcessRewarder([slow_reward], RewardConfig(num_workers=1, timeout_s=timeout_s)) as rewarder,
+    ):
+        _score(rewarder, ["warm up"])
+        start = time.monotonic()
+        scores = _score(rewarder, ["sleep 60"] * 4 + ["fast"])
+        elapsed = time.monotonic() - start
+        assert scores == [0.0, 0.0, 0.0, 0.0, 1.0]
+        assert rewarder.num_timeouts == 4
+        assert elapsed < 2 * timeout_s, f"{elapsed:.1f} s: the hung samples were cut one after another"
+        assert len(rewarder._workers) == 1  # the extra workers stopped with the batch
+        assert _score(rewarder, ["fast"]) == [1.0]
+    [line] = [r.getMessage() for r in caplog.records]
+    assert line == (
+        "reward function 'slow_reward' timed out after 2.0 s; sample 0 (prompt 'q', completion 'sleep 60') "
+        "scored 0 (and 3 more samples of this batch)"
+    )
+
+
+def test_computing_workers_are_not_joined_by_more():
+    """Scoring that keeps its worker on a CPU is not waiting: the pool stays at num_workers."""
+    seen: list[int] = []
+    with ProcessRewarder([busy_reward], RewardConfig(num_workers=1, timeout_s=10)) as rewarder:
+        _score(rewarder, ["0"])
+        done = threading.Event()
+
+        def watch() -> None:
+            while not done.wait(0.05):
+                seen.append(len(rewarder._workers))
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        try:
+            assert _score(rewarder, ["0.6"] * 3) == [1.0, 1.0, 1.0]
+        finally:
+            done.set()
+            watcher.join()
+    assert seen and max(seen) == 1
+
+
+MAIN_SCRIPT = """
+def shouted(prompt, completion, row):
+    return float(row["word"].upper() in completion)
+
+
+if __name__ == "__main__":  # the workers run this file as __mp_main__: only the definitions
+    from llamarl.exec import ProcessRewarder, RewardConfig
+
+    with ProcessRewarder([shouted], RewardConfig(num_workers=1, timeout_s=30)) as rewarder:
+        print(rewarder.score([[], []], ["APPLE!", "apple"], [{"word": "apple"}] * 2))
+"""
+
+
+def test_a_reward_function_of_the_main_script_reaches_the_workers(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "my_task.py").write_text(MAIN_SCRIPT)
+    result = subprocess.run(
+        [sys.executable, "my_task.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "[1.0, 0.0]"

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from llamarl.exec.multiturn.environments import Finish, ModelTurn, Reply, ToolEnvironment
-from llamarl.exec.multiturn.sandbox import Limits
+from llamarl.exec.multiturn.sandbox import MAX_ERROR_CHARS, Limits
 from llamarl.exec.multiturn.tools import Calculator, FunctionTool, PythonTool, ToolCall, parse_tool_calls
 from llamarl.exec.testing import lookup_capital
 
@@ -88,3 +88,16 @@ def test_tool_environment_answers_calls_and_finishes_on_an_answer():
     assert "no tool named 'nope'" in contents[2] and "calculator, lookup_capital" in contents[2]
     assert "unexpected arguments" in contents[3]
     assert env.step(ModelTurn("It is 42.", [], 1)) == Finish()
+
+
+def test_a_tool_that_raises_tells_the_model_its_exception():
+    env = ToolEnvironment([FunctionTool(lookup_capital, limits=Limits(timeout_s=10.0, memory_mb=None))])
+    env.start({})
+    calls = [ToolCall("lookup_capital", {"country": c}) for c in ("Atlantis", "verbose")]
+    calls.append(ToolCall("lookup_capital", {"city": "Paris"}))
+    reply = env.step(ModelTurn("", calls, 0))
+    atlantis, verbose, wrong_argument = (m["content"] for m in reply.messages)
+    assert atlantis == "error: KeyError: 'no capital known for Atlantis'"
+    assert verbose.startswith("error: ValueError: why why ") and verbose.endswith("...")
+    assert len(verbose) <= len("error: ") + MAX_ERROR_CHARS + 3
+    assert wrong_argument.startswith("error: TypeError: lookup_capital() got an unexpected keyword argument")

@@ -107,11 +107,13 @@ def _sync_worker(rank: int, world_size: int, rdv, model_dir: str, batch):
     """Ranks 0..1 train under FSDP2 and send their shards; rank 2 holds a plain copy and receives them."""
     import torch.distributed as dist
 
-    from llamarl.comm import WeightReceiver, WeightSender, WeightSyncGroup
+    from llamarl.comm import WeightReceiver, WeightSender, WeightSyncEndpoint, WeightSyncGroup
 
     dist.init_process_group("gloo", init_method=rdv.init_method, rank=rank, world_size=world_size)
     group = dist.new_group(list(range(NUM_TRAINERS)))
-    sync_group = WeightSyncGroup(host=rdv.host, port=rdv.port, rank=rank, world_size=world_size, timeout_s=60)
+    sync_group = WeightSyncGroup(
+        WeightSyncEndpoint(host=rdv.host, port=rdv.port, rank=rank, world_size=world_size, timeout_s=60)
+    )
     # max_grad_norm large: clipping then scales by exactly 1.0, so the weights can agree bit for bit.
     settings = {"max_grad_norm": 1e9}
     if rank < NUM_TRAINERS:
@@ -126,7 +128,7 @@ def _sync_worker(rank: int, world_size: int, rdv, model_dir: str, batch):
     from transformers import AutoModelForCausalLM
 
     generator_model = AutoModelForCausalLM.from_pretrained(model_dir)
-    receiver = WeightReceiver(sync_group, generator_model, src_rank=0)
+    receiver = WeightReceiver(sync_group, generator_model)
     for _ in range(NUM_STEPS):
         version = receiver.receive()
     received = {n: p.detach().clone() for n, p in generator_model.named_parameters()}

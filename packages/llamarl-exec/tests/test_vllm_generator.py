@@ -11,9 +11,10 @@ import threading
 import pytest
 import torch
 
-from llamarl.comm import WeightSender, WeightSyncGroup
+from llamarl.comm import WeightSender, WeightSyncEndpoint, WeightSyncGroup
 from llamarl.comm.testing import free_port, wait_until
 from llamarl.exec import GeneratorConfig, PolicyTrainer, SamplingConfig, VLLMGenerator, smollm2_path
+from llamarl.exec.generate.vllm import protocol
 from llamarl.exec.generate.vllm.env import VLLMEnvironmentError, find_vllm_python
 from llamarl.exec.generate.vllm.generator import EngineError
 from llamarl.exec.testing import build_trainer, vllm_python_for_tests
@@ -73,6 +74,11 @@ def trainer(model_dir) -> PolicyTrainer:
     return trainer
 
 
+def endpoint(port: int, *, rank: int) -> WeightSyncEndpoint:
+    """The weight-sync group of a trainer (rank 0, in a thread here) and the engine (rank 1)."""
+    return WeightSyncEndpoint(host="127.0.0.1", port=port, rank=rank, world_size=2, timeout_s=120)
+
+
 def _check_batch(batch, prompts, samples_per_prompt: int, eos_ids: list[int]) -> None:
     num_sequences = len(prompts) * samples_per_prompt
     assert batch.completion_ids_BC.shape[0] == num_sequences
@@ -120,7 +126,7 @@ def test_vllm_logprobs_match_trainer_before_and_after_a_weight_sync(generator, t
 
     def send() -> None:
         try:
-            group = WeightSyncGroup(host="127.0.0.1", port=port, rank=0, world_size=2, timeout_s=120)
+            group = WeightSyncGroup(endpoint(port, rank=0))
             sender = WeightSender(group, trainer.model)
             sender.send(3)
             sender.close()
@@ -130,9 +136,7 @@ def test_vllm_logprobs_match_trainer_before_and_after_a_weight_sync(generator, t
 
     thread = threading.Thread(target=send, daemon=True)
     thread.start()
-    num_tensors = generator.connect_weight_sync(
-        host="127.0.0.1", port=port, rank=1, world_size=2, timeout_s=120
-    )
+    num_tensors = generator.connect_weight_sync(endpoint(port, rank=1))
     assert num_tensors == len(dict(trainer.model.named_parameters()))  # tied lm_head counted once
 
     # The sync is taken in flight, but only once the engine has ended the generate and replied: the
@@ -173,7 +177,7 @@ def _send_in_thread(model: torch.nn.Module, port: int, version: int, wire_dtype=
 
     def send() -> None:
         try:
-            group = WeightSyncGroup(host="127.0.0.1", port=port, rank=0, world_size=2, timeout_s=120)
+            group = WeightSyncGroup(endpoint(port, rank=0))
             sender = WeightSender(group, model, wire_dtype=wire_dtype)
             sender.send(version)
             sender.close()
@@ -211,7 +215,7 @@ def test_a_bf16_engine_samples_in_bf16_and_takes_bf16_weights(model_dir, trainer
                 p.add_(torch.randn(p.shape, generator=g) * 0.02 * p.abs().mean())
         port = free_port()
         thread, errors = _send_in_thread(bf16_trainer.model, port, 5, wire_dtype=torch.bfloat16)
-        generator.connect_weight_sync(host="127.0.0.1", port=port, rank=1, world_size=2, timeout_s=120)
+        generator.connect_weight_sync(endpoint(port, rank=1))
         assert generator.receive_weights(timeout_s=120) == 5
         thread.join(timeout=60)
         assert not thread.is_alive() and not errors, errors
@@ -284,6 +288,38 @@ def test_requests_made_during_a_generate_are_answered_between_engine_steps(gener
     print(f"{len(answers)} queries during 4 generates; {crossed} crossed the generate's reply")
 
 
+@pytest.mark.vllm
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_a_request_the_engine_does_not_serve_is_one_clear_error(generator, prompts):
+    """An unknown request is refused in one line, by the client before it goes out and by the engine
+    when one reaches it anyway (the old wire format); during a generate, a request that is not nested
+    is refused and the generate goes on whole."""
+    client = generator._client
+    with pytest.raises(EngineError, match=r"^unknown engine request 'weight_version'") as unknown:
+        client.call("weight_version")
+    assert "\n" not in str(unknown.value)
+    client._conn.send(("weight_version", {}))  # past the client's check: the engine refuses it itself
+    reply = client._receive(60, what="the engine's refusal")
+    assert reply.error.startswith("unknown engine request ('weight_version', {})"), reply
+    assert "\n" not in reply.error
+    assert generator.engine_policy_version() == generator.policy_version  # the connection is in step
+    refused: list[str] = []
+
+    def between_steps() -> None:
+        if not refused:
+            with pytest.raises(EngineError) as error:
+                client.call(protocol.TurnsAbort())
+            refused.append(str(error.value))
+
+    batch = generator.generate(
+        prompts, samples_per_prompt=2, max_new_tokens=MAX_NEW_TOKENS, between_steps=between_steps
+    )
+    _check_batch(batch, prompts, 2, generator.eos_token_ids)
+    assert refused and refused[0].startswith("turns_abort is not allowed while a generate is in flight")
+    assert "\n" not in refused[0]
+
+
 def test_a_missing_vllm_environment_is_a_clear_error(tmp_path, monkeypatch):
     with pytest.raises(VLLMEnvironmentError, match="not an executable"):
         find_vllm_python(str(tmp_path / "no-python"))
@@ -312,6 +348,7 @@ def test_an_engine_that_cannot_start_fails_with_its_error(tmp_path):
 
 _ORPHAN_SCRIPT = """
 import sys, time
+from llamarl.comm import WeightSyncEndpoint
 from llamarl.exec import GeneratorConfig, SamplingConfig, VLLMGenerator
 gen = VLLMGenerator(
     sys.argv[1], SamplingConfig(), GeneratorConfig(vllm_python=sys.argv[2]), start_timeout_s=200
@@ -319,7 +356,9 @@ gen = VLLMGenerator(
 gen.setup()
 print(gen.engine_pid, flush=True)
 # Keeps the engine inside a long call: joining a weight-sync group whose trainer never comes.
-gen.connect_weight_sync(host="127.0.0.1", port=int(sys.argv[3]), rank=1, world_size=2, timeout_s=300)
+gen.connect_weight_sync(
+    WeightSyncEndpoint(host="127.0.0.1", port=int(sys.argv[3]), rank=1, world_size=2, timeout_s=300)
+)
 """
 
 
@@ -382,8 +421,9 @@ def _running(pid: int) -> bool:
 def test_an_engine_killed_while_idle_is_lost_and_restarted_within_its_bound(model_dir, prompts):
     """kill -9 of an idle engine: the next call is an `EngineLost` (the request meets a broken pipe or
     an exited process) carrying the exit code; `restart_engine()` brings a new engine that serves the
-    checkpoint and refuses to generate until the caller sets `policy_version` (no trainer changed the
-    weights here, so the checkpoint is version 0); a restart beyond `max_engine_restarts=1` is refused.
+    checkpoint and refuses to generate until it is told that its weights are the checkpoint's, version
+    0 (`serve_initial_weights`: no trainer changed the weights here); a restart beyond
+    `max_engine_restarts=1` is refused.
     (The restart with a weight sync is tests/test_vllm_engine_restart.py.)"""
     import os
     import signal
@@ -412,7 +452,8 @@ def test_an_engine_killed_while_idle_is_lost_and_restarted_within_its_bound(mode
         with pytest.raises(WeightsNotSyncedError):
             gen.generate(prompts, samples_per_prompt=1, max_new_tokens=4)
         # No trainer ever changed the weights here, so the checkpoint is policy_version 0.
-        gen.policy_version = 0
+        gen.serve_initial_weights()
+        assert gen.policy_version == 0
         batch = gen.generate(prompts, samples_per_prompt=2, max_new_tokens=MAX_NEW_TOKENS)
         _check_batch(batch, prompts, 2, gen.eos_token_ids)
         assert (batch.policy_version_B == 0).all()

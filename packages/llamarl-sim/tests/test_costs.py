@@ -1,12 +1,15 @@
-"""The simulator's cost models in cases with exact answers: shapes, decoding, training, weight sync."""
+"""The simulator's cost models in cases with exact answers: shapes, decoding, training, weight sync,
+mixture-of-experts costs, delta syncs, offloading and failure recovery."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
+from llamarl.sim import moe
 from llamarl.sim.deployment import Deployment, best_split, price
 from llamarl.sim.generation import (
     GeneratorLayout,
@@ -14,12 +17,21 @@ from llamarl.sim.generation import (
     kv_footprint_tokens,
     replica_generate_s,
     shares,
+    streaming_generate_s,
 )
 from llamarl.sim.hardware import Efficiency, GpuSpec
 from llamarl.sim.memory import kv_budget_per_gpu, trainer_bytes_per_gpu
-from llamarl.sim.models import LLAMA3_8B, LLAMA3_70B, LLAMA3_405B, SMOLLM2_135M
+from llamarl.sim.models import (
+    LLAMA3_8B,
+    LLAMA3_70B,
+    LLAMA3_405B,
+    QWEN3_30B_A3B,
+    QWEN3_235B_A22B,
+    SMOLLM2_135M,
+)
+from llamarl.sim.recovery import FailureModel, recovery_cost
 from llamarl.sim.training import train_flops, train_s
-from llamarl.sim.weight_sync import weight_sync_s
+from llamarl.sim.weight_sync import DeltaSync, weight_sync_s
 from llamarl.sim.workload import Workload
 
 GPU = GpuSpec()
@@ -143,3 +155,86 @@ def test_overlap_alone_gains_at_most_two_and_nothing_over_time_sharing() -> None
 def test_the_simulator_imports_without_torch() -> None:
     code = "import sys, llamarl.sim.cli, llamarl.sim.paper; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
+
+
+def test_moe_counts_every_expert_in_memory_and_the_chosen_ones_in_flops() -> None:
+    m = QWEN3_30B_A3B
+    assert m.params == pytest.approx(30.5e9, rel=0.01)  # Qwen3-30B-A3B
+    assert m.active_matmul_params + m.vocab * m.hidden == pytest.approx(3.3e9, rel=0.05)  # "A3B"
+    assert QWEN3_235B_A22B.params == pytest.approx(235e9, rel=0.01)
+    assert m.forward_flops_per_token(0) == 2 * m.active_matmul_params
+    # One token reads its k experts per layer, a large batch all of them; a dense model always all.
+    assert moe.experts_touched(m, 1) == pytest.approx(8)
+    assert moe.experts_touched(m, 10_000) == pytest.approx(128)
+    one = moe.decode_read_params(m, 1)
+    assert one == pytest.approx(m.matmul_params - m.layers * 120 * m.expert_params)
+    assert moe.decode_read_params(m, 10_000) == pytest.approx(m.matmul_params)
+    assert moe.decode_read_params(LLAMA3_8B, 1) == LLAMA3_8B.matmul_params
+    # Routing replay: tokens x layers x top-k ids of one byte (128 experts).
+    assert moe.routing_replay_bytes(m, 1000) == 1000 * 48 * 8
+    assert moe.routing_replay_bytes(LLAMA3_8B, 1000) == 0
+
+
+def test_moe_all_to_all_moves_each_token_to_its_experts_and_back() -> None:
+    m = QWEN3_30B_A3B
+    seconds = moe.all_to_all_s(m, 100, 8, bandwidth=1e11, latency_s=1e-5)
+    assert seconds == pytest.approx(2 * (1e-5 + 100 * 8 * m.hidden * 2 * 7 / 8 / 1e11))
+    assert moe.all_to_all_s(m, 100, 1, 1e11, 1e-5) == 0.0  # one device: nothing leaves it
+    dense = train_s(LLAMA3_8B, 100, [200] * 8, gpus=8, gpu=GPU, eff=EFF)
+    assert dense == pytest.approx(train_flops(LLAMA3_8B, 100, [200] * 8) / (8 * 989e12 * EFF.train_mfu))
+    sparse = train_s(m, 100, [200] * 8, gpus=8, gpu=GPU, eff=EFF)
+    assert sparse > train_flops(m, 100, [200] * 8) / (8 * 989e12 * EFF.train_mfu)  # + the all-to-all
+
+
+def test_recomputed_log_probs_cost_a_fourth_forward_pass() -> None:
+    plain = train_s(LLAMA3_8B, 100, [300] * 4, gpus=4, gpu=GPU, eff=EFF)
+    again = train_s(LLAMA3_8B, 100, [300] * 4, gpus=4, gpu=GPU, eff=EFF, recompute_logprobs=True)
+    assert again == pytest.approx(plain * 4 / 3)
+
+
+def test_a_delta_sends_the_changed_weights_as_pairs_or_a_bitmap() -> None:
+    d = DeltaSync()  # 2% changed: (4-byte index, 2-byte value) pairs
+    assert d.change_density == 0.02 and d.wire_bytes_per_param(2.0) == pytest.approx(0.02 * 6)
+    assert DeltaSync(change_density=0.2).wire_bytes_per_param(2.0) == pytest.approx(1 / 8 + 0.2 * 2)
+    assert DeltaSync(change_density=1.0).wire_bytes_per_param(2.0) == 2.0  # never more than dense
+    anchored = DeltaSync(anchor_every=4).wire_bytes_per_param(2.0)
+    assert anchored == pytest.approx((2.0 + 3 * 0.12) / 4)
+    assert DeltaSync(anchor_every=1).wire_bytes_per_param(2.0) == 2.0
+
+
+def test_partial_rollouts_never_wait_for_the_tail() -> None:
+    cost = ReplicaCost(LLAMA3_8B, GPU, EFF, GeneratorLayout(tp=1), 40e9)
+    even = [100] * 64
+    streamed = streaming_generate_s(even, cost, 50, max_batch=64)
+    assert streamed == pytest.approx(cost.prefill_s(64, 50) + 100 * cost.step_s(64, 50 + 50))
+    skewed = [10] * 63 + [2000]
+    tail = replica_generate_s(skewed, cost, 50, 64, continuous=True)
+    assert streaming_generate_s(skewed, cost, 50, max_batch=64) < tail / 10
+
+
+def test_a_colocated_trainer_offloads_its_state_around_generation() -> None:
+    wl = Workload(prompts_per_step=64, samples_per_prompt=4)
+    base = Deployment(LLAMA3_8B, 8, 8, GeneratorLayout(tp=1), colocated=True, weight_sync="colocated_reshard")
+    assert price(base, wl, GPU, EFF).offload_s == 0.0  # resident: nothing moves
+    off = replace(base, trainer_state_resident=False)
+    state = LLAMA3_8B.params * 16 / 8
+    assert price(off, wl, GPU, EFF).offload_s == pytest.approx(2 * state / 25e9)
+    slow = EFF.model_copy(update={"colocated_train_slowdown": 2.0})
+    assert price(off, wl, GPU, slow).train_s == pytest.approx(2 * price(off, wl, GPU, EFF).train_s)
+
+
+def test_failures_cost_a_replica_step_instead_of_a_restart() -> None:
+    f = FailureModel()
+    assert f.per_device_s == pytest.approx(419 / (54 * 86400 * 16384))
+    cost = recovery_cost(
+        LLAMA3_70B, trainer_gpus=96, generator_gpus=32, trainer_replicas=2, generator_replicas=4,
+        step_s=20.0, gpu=GPU, eff=EFF, failures=f,
+    )  # fmt: skip
+    assert cost.mtbf_s == pytest.approx(1 / (f.per_device_s * 128))
+    assert cost.checkpoint_every_s == pytest.approx((2 * 30 * cost.mtbf_s) ** 0.5)  # Young's interval
+    assert cost.restart_lost_s == pytest.approx(600 + cost.checkpoint_every_s / 2)
+    heal = LLAMA3_70B.params * 16 / 48 / (50e9 * EFF.link_eff)
+    assert cost.heal_s == pytest.approx(heal)
+    expected = (96 * (20 + 120 + heal) / 2 + 32 * (20 + 120) / 4) / 128
+    assert cost.replica_lost_s == pytest.approx(expected)
+    assert cost.replica_lost_s < cost.restart_lost_s / 10

@@ -4,7 +4,11 @@ Torch only; never imports another llamarl package, so it can be embedded in any 
 
 Public API:
 
-- ``WeightSyncGroup``: a private process group (own TCPStore, own gloo/NCCL group), deadlines on every wait.
+- ``WeightSyncEndpoint``: everything a member needs to join a group (where it meets, this member's rank,
+  the world size, the backend, the deadlines, the source rank), one frozen value built once and handed
+  whole to each member (``to_json`` / ``from_json`` across a process boundary).
+- ``WeightSyncGroup(endpoint)``: a private process group (own TCPStore, own gloo/NCCL group), deadlines
+  on every wait.
 - ``WeightSender`` / ``WeightReceiver``: ``sender.send(policy_version) -> SyncStats``,
   ``receiver.receive() -> policy_version``, in place or through an engine's loader (``load_fn``).
 - Layouts: ``replicated``, ``tp_shard``, ``fused``, ``DestLayout``, ``SourceLayout`` (FSDP2 DTensors read
@@ -17,6 +21,8 @@ Public API:
 """
 
 from llamarl.comm._session import SyncStats
+from llamarl.comm.endpoint import DEAD_AFTER_S, WeightSyncEndpoint
+from llamarl.comm.errors import WeightSyncError
 from llamarl.comm.layouts import (
     DestLayout,
     DestTensor,
@@ -32,7 +38,7 @@ from llamarl.comm.layouts import (
 from llamarl.comm.plan import PlanError, TransferPlan, make_plan
 from llamarl.comm.receiver import LoadFn, WeightReceiver
 from llamarl.comm.sender import WeightSender
-from llamarl.comm.transport import DEAD_AFTER_S, WeightSyncError, WeightSyncGroup, free_port
+from llamarl.comm.transport import WeightSyncGroup, free_port
 
 __all__ = [
     "DEAD_AFTER_S",
@@ -47,6 +53,7 @@ __all__ = [
     "TransferPlan",
     "WeightReceiver",
     "WeightSender",
+    "WeightSyncEndpoint",
     "WeightSyncError",
     "WeightSyncGroup",
     "free_port",

@@ -40,7 +40,7 @@ class SyncStats:
     generation: int  # group generation the sync ran on
 
 
-class _Endpoint:
+class _Membership:
     """A rank's membership in a weight-sync group: its layout, the plan, the generation, the sync count."""
 
     def __init__(self, group: WeightSyncGroup, layout: SourceLayout | DestLayout, *, strict: bool) -> None:

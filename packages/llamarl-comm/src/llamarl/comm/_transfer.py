@@ -1,16 +1,7 @@
 """One sync on one rank: ``SyncTransfer`` runs this rank's part of the plan.
 
-Correct under NCCL's rules, not only gloo's. ProcessGroupNCCL ignores tags: messages between two ranks
-match in the order each side posts them, and every operation between a pair (both directions) runs on
-one stream, so an operation waits for the previous one with that peer. Hence:
-
-- Both sides of a pair post its messages in one order, computed from the plan (``_Lanes``): bucket
-  index, then stream id, a stream's manifest (the trailers of its direct buckets) right after its last
-  direct bucket. A rank posts the next message with a peer only after the earlier ones: a receive
-  waits to be posted until this rank's earlier sends on that pair are, and vice versa. Tags stay
-  unique per message, so gloo (and the NCCL-rules test transport) can check the pairing.
-- The "receives posted" signal goes through the store, not through the pair, where it would queue
-  behind the receives.
+Correct under NCCL's rules, not only gloo's: every message goes through ``_lanes.PairOrder``, which
+posts the messages of each pair of ranks in the one order both sides compute from the plan.
 
 Speed on gloo: destinations post every receive they can before data flows (direct receives straight
 into the destination tensors, packed ones as staging slots free up), then signal the store, and each
@@ -24,11 +15,11 @@ bucket k+1 packed while bucket k is on the wire. A relay forwards each bucket be
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from llamarl.comm._lanes import Message, PairOrder, Pending, PostedRecv, plan_lanes
 from llamarl.comm._staging import NUM_SLOTS, SourceLocals, StagingCache, direct_len
 from llamarl.comm.buckets import (
     TRAILER_BYTES,
@@ -43,69 +34,6 @@ from llamarl.comm.buckets import (
 )
 from llamarl.comm.plan import Bucket, Stream, TransferPlan
 from llamarl.comm.transport import WeightSyncError, WeightSyncGroup
-
-MANIFEST_TAG = 0x8000  # tag bit of a stream's manifest (bucket indices stay below it)
-
-
-@dataclass(frozen=True, eq=False)
-class _Message:
-    """One message this rank exchanges with a peer: a bucket of a stream, or the stream's manifest."""
-
-    stream: Stream
-    bucket: Bucket  # for a manifest: the stream's last direct bucket
-    manifest: bool
-    outgoing: bool  # this rank sends it (else receives it)
-
-    @property
-    def order(self) -> tuple[int, int, int]:
-        """Position on its pair, the same on both sides."""
-        return (self.bucket.index, self.stream.stream_id, int(self.manifest))
-
-    def __str__(self) -> str:
-        what = "manifest" if self.manifest else f"bucket {self.bucket.index}"
-        return f"{'send' if self.outgoing else 'receive'} of {what} of stream {self.stream.stream_id}"
-
-    @property
-    def tag(self) -> int:
-        # Unique per message of a pair: plan.MAX_BUCKETS_PER_STREAM keeps the index below MANIFEST_TAG.
-        return (self.stream.stream_id << 16) | (MANIFEST_TAG if self.manifest else self.bucket.index)
-
-
-def plan_lanes(plan: TransferPlan, rank: int) -> dict[int, tuple[_Message, ...]]:
-    """For each peer of ``rank``: the messages between them, in the order both post them."""
-    lanes: dict[int, list[_Message]] = {}
-    for stream in plan.streams:
-        hops = [(stream.src, stream.chain[0]), *zip(stream.chain, stream.chain[1:], strict=False)]
-        for sender, receiver in hops:
-            if rank not in (sender, receiver):
-                continue
-            peer, outgoing = (receiver, True) if rank == sender else (sender, False)
-            for bucket in stream.buckets:
-                lanes.setdefault(peer, []).append(_Message(stream, bucket, False, outgoing))
-                if bucket.direct and bucket.index == stream.num_direct - 1:
-                    lanes[peer].append(_Message(stream, bucket, True, outgoing))
-    return {peer: tuple(sorted(msgs, key=lambda m: m.order)) for peer, msgs in lanes.items()}
-
-
-@dataclass
-class _Pending:
-    """A started send or receive, waited with its peer and bucket named on failure."""
-
-    work: Any
-    peer: int
-    bucket_index: int
-
-    def wait(self, group: WeightSyncGroup, what: str) -> None:
-        group.wait(self.work, peer=self.peer, what=what, bucket=self.bucket_index)
-
-
-@dataclass
-class _PostedRecv:
-    """A receive posted ahead: where the message lands and the copies that unpack it, if any."""
-
-    pending: _Pending
-    payload: torch.Tensor  # uint8 [bytes], trailer included for a packed bucket
-    unpack: BucketCopies | None
 
 
 class SyncTransfer:
@@ -138,15 +66,12 @@ class SyncTransfer:
         lanes = staging.views.get(("lanes",))
         if lanes is None:
             lanes = staging.views[("lanes",)] = plan_lanes(plan, self.rank)
-        self.lanes: dict[int, tuple[_Message, ...]] = lanes
-        self.posted: dict[int, int] = dict.fromkeys(lanes, 0)  # peer -> messages posted so far
-        self.peers_ready: set[int] = set()  # downstream peers known to have posted their receives
+        self.pairs = PairOrder(group, lanes, sync_index=sync_index, receive_target=self._receive_target)
         # (stream, slot) -> a slot's send, waited before the slot is reused
-        self.slot_sends: dict[tuple[int, int], _Pending] = {}
-        self.loose_sends: list[_Pending] = []  # sends from tensors' memory: waited at the end
+        self.slot_sends: dict[tuple[int, int], Pending] = {}
+        self.loose_sends: list[Pending] = []  # sends from tensors' memory: waited at the end
         self.slot_uses: dict[int, int] = {}  # stream -> staging buffers used so far on this (source) rank
         self.packed_done: dict[int, int] = {}  # stream -> packed buckets unpacked and forwarded here
-        self.recvs: dict[tuple[int, int, bool], _PostedRecv] = {}  # (stream, bucket, manifest) -> receive
         # Checksums (0-d tensors; None with checksums off), gathered for a stream's manifest:
         self.in_flight: dict[tuple[int, int], torch.Tensor | None] = {}  # started direct sends
         self.manifest_sums: dict[int, list[torch.Tensor]] = {}  # source: direct buckets sent
@@ -172,10 +97,10 @@ class SyncTransfer:
 
     def post_receives(self) -> None:
         """Post every receive this rank can before data flows, then tell the upstream peers (store)."""
-        for peer in self.lanes:
-            self._post_receives_ahead(peer)
+        for peer in self.pairs.lanes:
+            self.pairs.post_receives_ahead(peer)
         if self.rank in self.plan.dest_ranks:
-            self.group.put(self._ready_key(self.rank), True)
+            self.group.put(self.pairs.ready_key(self.rank), True)
 
     def start_direct_sends(self) -> None:
         """(Source) start the sends straight from the tensors' memory (the first buckets of each
@@ -203,14 +128,14 @@ class SyncTransfer:
             write_trailer(
                 buf[n:], buf[:n], **ids, **stamp, checksum=self.checksum_stride, bucket_sum=bucket_sum
             )
-            self.slot_sends[key] = self._send(stream, bucket, buf[: n + TRAILER_BYTES])
+            self.slot_sends[key] = self.pairs.send(stream, bucket, buf[: n + TRAILER_BYTES])
             return
         if (sid, bucket.index) not in self.in_flight:
             if bucket.src_copy:  # a column slice, or a box of a strided tensor: pack it first
                 key, buf = self._source_slot(stream)
                 payload = buf[: direct_len(bucket)]
                 self._pack(stream, bucket, key[1], buf)
-                self.slot_sends[key] = self._send(stream, bucket, payload)
+                self.slot_sends[key] = self.pairs.send(stream, bucket, payload)
                 # before the staging slot is reused
                 bucket_sum = self._checksum(self.staging.views, ("sum", sid, bucket.index, key[1]), payload)
                 self.in_flight[(sid, bucket.index)] = bucket_sum
@@ -226,13 +151,13 @@ class SyncTransfer:
         """(Destination) one bucket of the schedule: wait for it, forward it down the chain, verify it,
         unpack it, then post the receives that freed."""
         upstream = stream.upstream(self.rank)
-        posted = self.recvs.pop((stream.stream_id, bucket.index, False))
+        posted = self.pairs.take_receive(stream, bucket)
         posted.pending.wait(self.group, "receiving weights")
         if bucket.direct:
             self._receive_direct(stream, bucket, posted, upstream)
         else:
             self._receive_packed(stream, bucket, posted, upstream)
-        self._post_receives_ahead(upstream)
+        self.pairs.post_receives_ahead(upstream)
 
     def finish(self) -> None:
         """Wait for every send still in flight; check that every message of every pair was posted."""
@@ -240,76 +165,30 @@ class SyncTransfer:
             self._wait_slot_send(key)
         for pending in self.loose_sends:
             pending.wait(self.group, "sending weights")
-        unposted = {peer: len(msgs) - self.posted[peer] for peer, msgs in self.lanes.items()}
+        unposted = self.pairs.unposted()
         if any(unposted.values()):
             raise WeightSyncError(f"rank {self.rank}: sync ended with messages never posted: {unposted}")
         if self.rank in self.plan.dest_ranks:
             # Every upstream peer has read it by now. Best effort: the weights are all here, and a
             # trainer whose sends completed may already have left, taking the store with it.
             with contextlib.suppress(Exception):
-                self.group.delete(self._ready_key(self.rank))
+                self.group.delete(self.pairs.ready_key(self.rank))
 
     # ----------------------------------------------------------------------------------------------
-    # Posting messages in each pair's order
+    # Where receives land
 
-    def _ready_key(self, rank: int) -> str:
-        return f"ready/{self.sync_index}/{rank}"
-
-    def _next(self, peer: int) -> _Message | None:
-        i = self.posted[peer]
-        msgs = self.lanes[peer]
-        return msgs[i] if i < len(msgs) else None
-
-    def _send(
-        self, stream: Stream, bucket: Bucket, payload: torch.Tensor, *, manifest: bool = False
-    ) -> _Pending:
-        """Post a send down ``stream``: it must be the next message with that peer (receives before it
-        are posted first); the first one waits until the peer has posted its receives."""
-        peer = stream.downstream(self.rank)
-        assert peer is not None
-        self._post_receives_ahead(peer)
-        msg = self._next(peer)
-        want = _Message(stream, bucket, manifest, outgoing=True)
-        if msg is None or (msg.stream.stream_id, msg.bucket.index, msg.manifest, msg.outgoing) != (
-            stream.stream_id,
-            bucket.index,
-            manifest,
-            True,
-        ):
-            raise WeightSyncError(
-                f"rank {self.rank}: protocol error: the {want} to peer rank {peer} is not next on that "
-                f"pair ({msg or 'nothing'} is)",
-                peer=peer,
-                bucket=bucket.index,
-            )
-        if peer not in self.peers_ready:
-            self.group.get(self._ready_key(peer), peer=peer, in_sync=True)
-            self.peers_ready.add(peer)
-        pending = _Pending(self.group.send(payload, peer, msg.tag, bucket=bucket.index), peer, bucket.index)
-        self.posted[peer] += 1
-        self._post_receives_ahead(peer)  # receives that come after this send on the pair
-        return pending
-
-    def _post_receives_ahead(self, peer: int) -> None:
-        """Post the receives from ``peer`` that are next on the pair: direct ones (straight into the
-        destination tensors) and manifests at once, packed ones once their staging slot is free."""
-        while (msg := self._next(peer)) is not None and not msg.outgoing:
-            stream, bucket = msg.stream, msg.bucket
-            assert self.dst_tensors is not None
-            unpack: BucketCopies | None = None
-            if msg.manifest:
-                payload = self.staging.manifest(stream)
-            elif bucket.direct:
-                payload, unpack = self.staging.direct_target(stream, bucket, self.dst_tensors)
-            elif bucket.index - stream.num_direct >= self.packed_done.get(stream.stream_id, 0) + NUM_SLOTS:
-                return  # its staging slot still holds an earlier bucket
-            else:
-                payload, unpack = self.staging.packed_target(stream, bucket, self.dst_tensors)
-            work = self.group.recv(payload, peer, msg.tag, bucket=bucket.index)
-            self.recvs[(stream.stream_id, bucket.index, msg.manifest)] = _PostedRecv(
-                _Pending(work, peer, bucket.index), payload, unpack
-            )
-            self.posted[peer] += 1
+    def _receive_target(self, msg: Message) -> tuple[torch.Tensor, BucketCopies | None] | None:
+        """Where a receive from upstream lands: a manifest in its buffer, a direct bucket straight in
+        the destination tensors, a packed one in its staging slot once that slot is free (else None)."""
+        stream, bucket = msg.stream, msg.bucket
+        assert self.dst_tensors is not None
+        if msg.manifest:
+            return self.staging.manifest(stream), None
+        if bucket.direct:
+            return self.staging.direct_target(stream, bucket, self.dst_tensors)
+        if bucket.index - stream.num_direct >= self.packed_done.get(stream.stream_id, 0) + NUM_SLOTS:
+            return None  # its staging slot still holds an earlier bucket
+        return self.staging.packed_target(stream, bucket, self.dst_tensors)
 
     # ----------------------------------------------------------------------------------------------
     # Source side
@@ -323,7 +202,7 @@ class SyncTransfer:
             payload = self.src_views[("send", sid, bucket.index)] = self.staging.direct_source(
                 bucket, self.locals_
             )
-        self.loose_sends.append(self._send(stream, bucket, payload))
+        self.loose_sends.append(self.pairs.send(stream, bucket, payload))
         self.in_flight[(sid, bucket.index)] = self._checksum(
             self.src_views, ("sum", sid, bucket.index), payload
         )
@@ -355,18 +234,18 @@ class SyncTransfer:
             sync_index=self.sync_index,
             device=self.group.device,
         )
-        self.loose_sends.append(self._send(stream, last_direct, manifest, manifest=True))
+        self.loose_sends.append(self.pairs.send(stream, last_direct, manifest, manifest=True))
 
     # ----------------------------------------------------------------------------------------------
     # Destination side
 
-    def _receive_direct(self, stream: Stream, bucket: Bucket, posted: _PostedRecv, upstream: int) -> None:
+    def _receive_direct(self, stream: Stream, bucket: Bucket, posted: PostedRecv, upstream: int) -> None:
         """A direct bucket arrived: forward it first (the next replica receives while we go on), move it
         into place if it landed in a buffer of its own, and verify the stream's direct buckets against
         the manifest after the last of them."""
         sid = stream.stream_id
         if stream.downstream(self.rank) is not None:
-            self.loose_sends.append(self._send(stream, bucket, posted.payload))
+            self.loose_sends.append(self.pairs.send(stream, bucket, posted.payload))
         if posted.unpack is not None:
             posted.unpack.run()
         self.received_direct.setdefault(sid, []).append(
@@ -374,14 +253,14 @@ class SyncTransfer:
         )
         if bucket.index != stream.num_direct - 1:
             return
-        manifest = self.recvs.pop((sid, bucket.index, True))
+        manifest = self.pairs.take_receive(stream, bucket, manifest=True)
         manifest.pending.wait(self.group, "receiving the manifest")
         if stream.downstream(self.rank) is not None:
-            self.loose_sends.append(self._send(stream, bucket, manifest.payload, manifest=True))
+            self.loose_sends.append(self.pairs.send(stream, bucket, manifest.payload, manifest=True))
         direct = stream.buckets[: stream.num_direct]
         self._verify(self.received_direct.pop(sid), read_trailers(manifest.payload), direct, stream, upstream)
 
-    def _receive_packed(self, stream: Stream, bucket: Bucket, posted: _PostedRecv, upstream: int) -> None:
+    def _receive_packed(self, stream: Stream, bucket: Bucket, posted: PostedRecv, upstream: int) -> None:
         """A packed bucket arrived: verify it against its trailer, forward it, unpack it; its slot is
         free once the forward is done too."""
         sid, n = stream.stream_id, bucket.payload_bytes
@@ -394,7 +273,9 @@ class SyncTransfer:
             stream,
             upstream,
         )
-        forward = self._send(stream, bucket, payload) if stream.downstream(self.rank) is not None else None
+        forward = (
+            self.pairs.send(stream, bucket, payload) if stream.downstream(self.rank) is not None else None
+        )
         posted.unpack.run()
         if forward is not None:  # a packed forward must finish before its slot is reused
             forward.wait(self.group, "sending weights")

@@ -124,7 +124,8 @@ class ColocatedReceiver:
     it (an engine's own loader, e.g. vLLM's ``reload_weights``) they only describe what to expect (meta
     tensors are fine) and ``load_fn`` is called once per sync with ``(name, tensor)`` pairs that alias
     the trainer's memory: nothing is staged anywhere, the loader copies straight from the trainer.
-    A receiver constructed after syncs already ran (a restarted engine) takes the next one.
+    The sender is the group's ``endpoint.src_rank``. A receiver constructed after syncs already ran (a
+    restarted engine) takes the next one.
     """
 
     def __init__(
@@ -132,11 +133,10 @@ class ColocatedReceiver:
         group: WeightSyncGroup,
         named_tensors_or_module: torch.nn.Module | Mapping[str, torch.Tensor],
         *,
-        src_rank: int = 0,
         load_fn: LoadFn | None = None,
     ) -> None:
         self.group = group
-        self.src_rank = src_rank
+        self.src_rank = src_rank = group.endpoint.src_rank
         self.load_fn = load_fn
         expected = named_tensors_of(named_tensors_or_module)
         published = group.get(f"colocated/tensors/{src_rank}", peer=src_rank)

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
-from llamarl.comm._session import SyncStats, _Endpoint
+from llamarl.comm._session import SyncStats, _Membership
 from llamarl.comm.layouts import DestLayout, dtype_from_str, named_tensors_of, replicated
 from llamarl.comm.plan import TransferPlan
 from llamarl.comm.transport import WeightSyncError, WeightSyncGroup
@@ -35,7 +35,7 @@ class WeightReceiver:
     (``meta`` tensors are fine): the receiver assembles each tensor in a staging buffer of its own and,
     once the whole sync is verified, calls ``load_fn`` once with an iterable of ``(name, tensor)`` pairs.
 
-    ``src_rank`` is kept for the single-trainer case and checked against the plan. A receiver
+    The group's ``endpoint.src_rank`` must be one of the plan's sources (checked here). A receiver
     constructed after its group already ran (a restarted process with the same rank) rejoins: it asks
     for a new group generation, and the next ``send`` re-forms the group and delivers the latest weights.
     """
@@ -45,7 +45,6 @@ class WeightReceiver:
         group: WeightSyncGroup,
         named_tensors_or_module: torch.nn.Module | Mapping[str, torch.Tensor],
         *,
-        src_rank: int = 0,
         layout: DestLayout | None = None,
         load_fn: LoadFn | None = None,
         strict: bool = True,
@@ -72,18 +71,19 @@ class WeightReceiver:
                 for name, t in self.layout.tensors.items()
             }
         self.policy_version: int | None = None  # version held; None before the first sync or after a failure
-        self._endpoint = _Endpoint(group, self.layout, strict=strict)
+        self._membership = _Membership(group, self.layout, strict=strict)
         rejoining = group.store.check(["gen/0/done"])
-        plan = self._endpoint._replan()
+        plan = self._membership._replan()
+        src_rank = group.endpoint.src_rank
         if src_rank not in plan.source_ranks:
             raise WeightSyncError(
                 f"rank {group.rank}: src_rank {src_rank} is not a source; sources are {plan.source_ranks}"
             )
         if rejoining:
             # Ask for a new generation; the next sync on a generation not yet formed is ours.
-            self._endpoint.rejoining = True
+            self._membership.rejoining = True
             # Start from the latest announced sync: it may be the one re-forming the group for us.
-            self._endpoint._sync_index = max(0, group.add("sync/count", 0) - 1)
+            self._membership._sync_index = max(0, group.add("sync/count", 0) - 1)
             group.add("gen/requested", 1)
         else:
             group.form(0)
@@ -93,7 +93,7 @@ class WeightReceiver:
     @property
     def plan(self) -> TransferPlan | None:
         """The transfer plan of the current group generation."""
-        return self._endpoint.plan
+        return self._membership.plan
 
     @torch.no_grad()
     def receive(self, timeout_s: float | None = None) -> int:
@@ -105,13 +105,13 @@ class WeightReceiver:
         ``policy_version`` is None until the next successful sync.
         """
         self.policy_version = None
-        stats = self._endpoint._sync(
+        stats = self._membership._sync(
             announce_version=None,
             timeout_s=self.group.timeout_s if timeout_s is None else timeout_s,
             get_locals=None,
             dst_tensors=self._dst,
         )
-        self._endpoint.rejoining = False  # rejoined: from now on every sync is ours
+        self._membership.rejoining = False  # rejoined: from now on every sync is ours
         if self.load_fn is not None:
             self.load_fn(iter(self._dst.items()))
         self.policy_version = stats.policy_version
@@ -126,4 +126,4 @@ class WeightReceiver:
 
     def close(self) -> None:
         """Release buffers (the group is closed by its owner)."""
-        self._endpoint.staging.clear()
+        self._membership.staging.clear()

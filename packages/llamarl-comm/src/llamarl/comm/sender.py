@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 import torch
 
-from llamarl.comm._session import SyncStats, _Endpoint
+from llamarl.comm._session import SyncStats, _Membership
 from llamarl.comm.layouts import dtype_to_str, named_tensors_of, source_layout
 from llamarl.comm.plan import TransferPlan
 from llamarl.comm.transport import WeightSyncGroup
@@ -59,15 +59,15 @@ class WeightSender:
         layout.checksum = max(1, checksum_stride) if checksum else 0
         layout.direct_min_bytes = direct_min_bytes
         self.wire_dtype = dtype_to_str(wire_dtype) if wire_dtype is not None else None
-        self._endpoint = _Endpoint(group, layout, strict=strict)
-        self._endpoint._replan()
+        self._membership = _Membership(group, layout, strict=strict)
+        self._membership._replan()
         group.form(0)
         self.policy_version: int | None = None  # the last version sent successfully
 
     @property
     def plan(self) -> TransferPlan | None:
         """The transfer plan of the current group generation."""
-        return self._endpoint.plan
+        return self._membership.plan
 
     def _locals(self) -> dict[str, tuple[torch.Tensor, tuple[int, ...]]]:
         from torch.distributed.tensor import DTensor
@@ -86,8 +86,8 @@ class WeightSender:
         ``WeightSyncError`` naming the peer and bucket when a peer dies or misses the group's deadline;
         the next ``send`` then re-forms the group (waiting for restarted receivers to rejoin).
         """
-        is_announcer = self.group.rank == self._endpoint.announcer
-        stats = self._endpoint._sync(
+        is_announcer = self.group.rank == self._membership.announcer
+        stats = self._membership._sync(
             announce_version=int(policy_version) if is_announcer else None,
             timeout_s=self.group.timeout_s,
             get_locals=self._locals,
@@ -99,7 +99,7 @@ class WeightSender:
     def held_versions(self) -> dict[int, int | None]:
         """The ``policy_version`` each destination rank reported after its last successful sync."""
         out: dict[int, int | None] = {}
-        plan = self._endpoint.plan
+        plan = self._membership.plan
         assert plan is not None
         for r in plan.dest_ranks:
             key = f"held/{r}"
@@ -108,4 +108,4 @@ class WeightSender:
 
     def close(self) -> None:
         """Release buffers (the group is closed by its owner)."""
-        self._endpoint.staging.clear()
+        self._membership.staging.clear()

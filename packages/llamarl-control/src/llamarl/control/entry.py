@@ -91,17 +91,16 @@ def run(config: RunConfig, task: Task, resolve_data: DataResolver | None = None)
     other than the first trainer rank)."""
     from llamarl.control.launch.launcher import launch, run_this_rank, under_torchrun
 
+    eval_size_given = "size" in config.eval.model_fields_set  # before replace_in sets every field
     changes: dict[str, Any] = {"model": resolve_model(config.model, config.ranks.device)}
     if resolve_data is not None:
         changes["task.data"] = resolve_data(config, task)
     config = replace_in(config, **changes)
     check_generator(config)
+    check_context(config)
     train_rows = load_rows(task, config.task.data, "train")
     test_rows = load_rows(task, config.task.data, "test") if config.eval.size else []
-    if config.eval.size > len(test_rows):
-        raise ConfigError(
-            f"--eval-size {config.eval.size} is larger than the test split ({len(test_rows)} rows)"
-        )
+    config = fit_eval_size(config, len(test_rows), given=eval_size_given)
     if under_torchrun():  # this process is one rank
         return run_this_rank(config, train_rows, test_rows, task)
     return launch(config, train_rows, test_rows, task)
@@ -176,6 +175,46 @@ def resolve_model(model: str | None, device: str) -> str:
             f"--model {model}: cannot load it from the hub or its cache ({type(e).__name__})"
         ) from None
     return model
+
+
+def fit_eval_size(config: RunConfig, test_rows: int, *, given: bool) -> RunConfig:
+    """The evaluation's size within the test split: a default larger than the split shrinks to it with
+    a one-line note; a size the user gave (`given`) that the split cannot hold is a ConfigError."""
+    if config.eval.size <= test_rows:
+        return config
+    if given:
+        raise ConfigError(f"--eval-size {config.eval.size} is larger than the test split ({test_rows} rows)")
+    logging.getLogger(__name__).warning(
+        "the test split has %d rows: evaluating on all of them (--eval-size %d by default)",
+        test_rows,
+        config.eval.size,
+    )
+    return replace_in(config, **{"eval.size": test_rows})
+
+
+def check_context(config: RunConfig) -> None:
+    """Refuses, in one line before any rank starts, a completion budget the model's context cannot hold."""
+    from transformers import AutoConfig
+
+    try:
+        model_config = AutoConfig.from_pretrained(config.model)
+    except (
+        Exception
+    ):  # resolve_model checked it loads; a config without a context length is no reason to stop
+        return
+    context = next(
+        (
+            getattr(model_config, name)
+            for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+            if isinstance(getattr(model_config, name, None), int)
+        ),
+        None,
+    )
+    if context is not None and config.sampling.max_new_tokens >= context:
+        raise ConfigError(
+            f"--max-new-tokens {config.sampling.max_new_tokens} does not fit the model's context of "
+            f"{context} tokens ({config.model}): give at most {context - 1}, less the prompt's length"
+        )
 
 
 def check_generator(config: RunConfig) -> None:

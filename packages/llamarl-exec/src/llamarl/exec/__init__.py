@@ -26,7 +26,7 @@ _EXPORTS = {
     "VLLMGenerator": "generate.vllm.generator",
     "EngineError": "generate.vllm.client",
     "EngineLost": "generate.vllm.client",
-    "WeightsNotSyncedError": "generate.vllm.generator",
+    "WeightsNotSyncedError": "types",
     "PolicyTrainer": "train.trainer",
     "ProcessRewarder": "reward.pool",
     "RewardModelScorer": "reward.model",
@@ -99,7 +99,7 @@ if TYPE_CHECKING:
     )
     from llamarl.exec.generate.hf import HFGenerator
     from llamarl.exec.generate.vllm.client import EngineError, EngineLost
-    from llamarl.exec.generate.vllm.generator import VLLMGenerator, WeightsNotSyncedError
+    from llamarl.exec.generate.vllm.generator import VLLMGenerator
     from llamarl.exec.models import load_model_and_tokenizer, smollm2_path, tiny_model, tiny_reward_model
     from llamarl.exec.reward.functions import (
         Reward,
@@ -113,7 +113,14 @@ if TYPE_CHECKING:
     from llamarl.exec.reward.model import LLMJudge, RewardModelError, RewardModelScorer, build_model_rewarder
     from llamarl.exec.reward.pool import ProcessRewarder
     from llamarl.exec.train.trainer import PolicyTrainer
-    from llamarl.exec.types import Generator, ModelRewarder, Rewarder, RolloutBatch, Trainer
+    from llamarl.exec.types import (
+        Generator,
+        ModelRewarder,
+        Rewarder,
+        RolloutBatch,
+        Trainer,
+        WeightsNotSyncedError,
+    )
 
 
 def __getattr__(name: str):

@@ -157,7 +157,7 @@ class GeneratorConfig(ConfigSection):
     kv_cache_gib: float | None = Field(None, gt=0)
     """vLLM on the CPU: KV cache size of each engine, GiB (unset: room for one generate's max_num_seqs
     sequences of a prompt allowance + max_new_tokens,
-    `llamarl.exec.generate.vllm.generator.kv_cache_bytes`)"""
+    `llamarl.exec.generate.vllm.engine_args.kv_cache_bytes`)"""
     max_engine_restarts: int = Field(3, ge=0)
     """stream mode with vLLM: dead engines a generator replaces while the trainer keeps going"""
 

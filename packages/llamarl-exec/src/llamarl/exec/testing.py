@@ -33,6 +33,21 @@ def failing_reward(prompt: list, completion: str, row: dict) -> float:
     return 1.0
 
 
+def odd_reward(prompt: list, completion: str, row: dict) -> object:
+    """Returns what the completion names instead of a score: NaN on "nan", infinity on "inf", None on
+    "none", a list on "list"; otherwise 1.0."""
+    odd = {"nan": float("nan"), "inf": float("inf"), "none": None, "list": [1.0]}
+    return odd.get(completion, 1.0)
+
+
+def busy_reward(prompt: list, completion: str, row: dict) -> float:
+    """Computes for `float(completion)` seconds of CPU time, then scores 1.0."""
+    end = time.thread_time() + float(completion)
+    while time.thread_time() < end:
+        pass
+    return 1.0
+
+
 def length_reward(prompts: list, completions: list[str], rows: list[dict]) -> list[float]:
     """Batched: 1 / (1 + characters) of each completion."""
     return [1.0 / (1 + len(c)) for c in completions]
@@ -152,7 +167,8 @@ def build_trainer(model: str, *, temperature: float = 1.0, total_steps: int = 1,
 
 class FeedbackEnvironment:
     """A multi-turn test environment: answers every model turn with a user message ("Try again.") and
-    finishes after `row["turns"]` turns (default 3) with reward 1.0; raises on step when `row["broken"]`."""
+    finishes after `row["turns"]` turns (default 3) with reward `row["reward"]` (default 1.0); raises on
+    step when `row["broken"]`."""
 
     def start(self, row: dict) -> None:
         self.row = row
@@ -165,7 +181,7 @@ class FeedbackEnvironment:
             raise RuntimeError("environment bug")
         self.turns += 1
         if self.turns >= self.row.get("turns", 3):
-            return Finish(reward=1.0)
+            return Finish(reward=self.row.get("reward", 1.0))
         return Reply([{"role": "user", "content": f"Try again ({self.turns})."}])
 
 
@@ -180,4 +196,8 @@ def lookup_capital(country: str) -> str:
             pass
     if country == "flood":
         return "x" * 10_000_000
+    if country == "Atlantis":
+        raise KeyError(f"no capital known for {country}")
+    if country == "verbose":
+        raise ValueError("why " * 5000)
     return {"France": "Paris", "Japan": "Tokyo"}.get(country, "unknown")

@@ -15,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-from llamarl.comm import DEAD_AFTER_S
+from llamarl.comm import WeightSyncEndpoint
 
 
 @dataclass(kw_only=True)
@@ -148,20 +148,43 @@ class GenerationPaused(Exception):
         self.finished_B = finished_B
 
 
+class WeightsNotSyncedError(RuntimeError):
+    """A generator was asked to sample while it holds no synced policy (`policy_version` is None): its
+    engine was restarted (it serves the checkpoint it started from, not the trainer's latest weights),
+    its last weight sync failed (weights partly replaced), or the weights were marked lost. A
+    `receive_weights` that succeeds ends this state."""
+
+
+def synced_version(policy_version: int | None, holder: str) -> int:
+    """`policy_version` when the weights `holder` (say, "the vLLM engine") holds are a synced policy;
+    else raises `WeightsNotSyncedError`: rollouts from them would be stamped as no policy at all."""
+    if policy_version is None:
+        raise WeightsNotSyncedError(
+            f"{holder} holds no synced weights (an engine restarted, a sync failed, or the weights were "
+            "marked lost): receive_weights() first"
+        )
+    return policy_version
+
+
 class Generator(Protocol):
     """Samples completions and holds the policy weights that `policy_version` names.
 
     Lifecycle: construct (cheap), `setup()` (load the model or start the engine), then
-    `connect_weight_sync(...)` once, then any number of `receive_weights` and `generate` calls, `close()`.
+    `connect_weight_sync(endpoint)` once, then any number of `receive_weights` and `generate` calls,
+    `close()`. Only the generator changes its `policy_version`: by receiving weights, or when told
+    what its weights are (`mark_weights_lost`, `serve_initial_weights`).
     """
 
-    policy_version: int | None
-    """The version of the weights held; None while they are not a synced policy (a restarted engine,
-    a failed sync)."""
     supports_in_flight_updates: bool
     """Whether `generate` calls `between_steps` between decoding steps, where new weights may be taken."""
     can_restart_engine: bool
     """Whether a dead engine process can be replaced by `restart_engine()` (an engine in another process)."""
+
+    @property
+    def policy_version(self) -> int | None:
+        """The version of the weights held; None while they are not a synced policy (a restarted engine,
+        a failed sync, weights marked lost): no generate runs then (`WeightsNotSyncedError`)."""
+        ...
 
     @property
     def engine_pid(self) -> int | None:
@@ -170,27 +193,28 @@ class Generator(Protocol):
 
     def setup(self) -> None: ...
 
-    def connect_weight_sync(
-        self,
-        *,
-        host: str,
-        port: int,
-        rank: int,
-        world_size: int,
-        timeout_s: float,
-        dead_after_s: float = DEAD_AFTER_S,
-        src_rank: int = 0,
-        backend: str = "gloo",
-    ) -> int | None:
-        """Joins the trainer's weight-sync group (llamarl.comm) as `rank`: this process or its engine
-        receives straight from the trainer ranks. `timeout_s` bounds each step of a sync, `dead_after_s`
-        a wait for a trainer rank whose heartbeat stood still. `backend`: the group's ("nccl" between
-        GPUs, else "gloo"), the same on every member."""
+    def connect_weight_sync(self, endpoint: WeightSyncEndpoint) -> int:
+        """Joins the trainer's weight-sync group (llamarl.comm) as the member `endpoint` describes (its
+        rank, the group's backend and deadlines, the trainer rank it receives from): this process or its
+        engine receives straight from the trainer ranks from then on. The endpoint is kept: a restarted
+        engine rejoins with it. Returns how many tensors each sync delivers here."""
         ...
 
     def receive_weights(self, timeout_s: float) -> int:
         """Waits at most `timeout_s` for the trainer to start a sync, receives it, adopts and returns its
-        policy_version. May be called from `between_steps` during a generate (an in-flight update)."""
+        policy_version. May be called from `between_steps` during a generate (an in-flight update). On
+        failure `policy_version` is None (the weights may be partly replaced) until a later one succeeds."""
+        ...
+
+    def mark_weights_lost(self) -> None:
+        """The weights held are no synced policy any more (a sync failed elsewhere in the group, and the
+        weights must come again): `policy_version` is None until a `receive_weights` succeeds."""
+        ...
+
+    def serve_initial_weights(self) -> None:
+        """Serves the checkpoint the generator started from as policy_version 0, e.g. after an engine
+        restart when the trainer never sent weights (so its own are still that checkpoint). Raises when
+        the weights held are not that checkpoint."""
         ...
 
     def generate(
@@ -238,7 +262,10 @@ class Rewarder(Protocol):
 
 class ModelRewarder(Protocol):
     """Scores samples with a reward model (a sequence classifier, an LLM judge): one float per sample,
-    from the task's question, the completion text and the reference answer. Its weights are its own."""
+    from the task's question, the completion text and the reference answer. Its weights are its own.
+    A sample it cannot score (NaN, infinite) scores 0 and is counted in `num_failures`."""
+
+    num_failures: int
 
     def setup(self) -> None: ...
 

@@ -1,4 +1,5 @@
-"""The simulator's command line: `uv run tools/simulate.py paper | from-run RUN | plan --model M --gpus N`.
+"""The simulator's command line: `uv run tools/simulate.py paper [--sweep] | others | from-run RUN |
+plan --model M --gpus N`.
 
 Typed by pydantic-settings from the same models the simulator computes with, so every assumption is a
 flag (`--efficiency.train-mfu 0.35`, `--workload.max-new-tokens 4096`, `--host.cores 8`).
@@ -13,24 +14,49 @@ from typing import Literal
 from pydantic import BaseModel, Field, ValidationError
 from pydantic_settings import CliApp, CliPositionalArg, CliSubCommand, SettingsConfigDict
 
-from llamarl.sim import from_run, paper, plan
+from llamarl.sim import from_run, gpu_calibration, others, paper, plan, sweep
 from llamarl.sim.hardware import Efficiency, GpuSpec
 from llamarl.sim.measured_run import RunReadError, read_run
 from llamarl.sim.models import model_named
+from llamarl.sim.recovery import FailureModel
+from llamarl.sim.weight_sync import DeltaSync
 from llamarl.sim.workload import Workload
 
 
 class PaperCommand(paper.PaperSetup):
-    """Explain the paper's 8B / 70B / 405B synchronous and LlamaRL step times under stated assumptions."""
+    """The paper's 8B / 70B / 405B synchronous and LlamaRL step times under stated assumptions (consistent
+    with the table under them, not a reproduction)."""
+
+    sweep: bool = Field(
+        False,
+        description="also vary each assumption over a plausible range and print the speed-ups as ranges",
+    )
 
     def cli_cmd(self) -> None:
-        print("\n".join(paper.report(self)))
+        setup = paper.PaperSetup.model_validate(self.model_dump(exclude={"sweep"}))
+        print("\n".join(paper.report(setup)))
+        if self.sweep:
+            print("\n" + "\n".join(sweep.report(setup)))
+
+
+class OthersCommand(BaseModel):
+    """Other systems' published asynchronous speed-ups predicted with the paper's assumptions frozen."""
+
+    threshold: float = Field(
+        0.25, gt=0, description="errors beyond this get the assumption that would have to change"
+    )
+
+    def cli_cmd(self) -> None:
+        print("\n".join(others.report(self.threshold)))
 
 
 class FromRunCommand(BaseModel):
-    """Predict a measured run's step time in the other modes and with other rank counts."""
+    """Predict a measured run's step time in the other modes and with other rank counts; a folder with a
+    GPU trace (tools/gpu_check.py --out DIR) calibrates the GPU efficiencies instead."""
 
-    output_dir: CliPositionalArg[Path] = Field(description="a finished run's --output-dir")
+    output_dir: CliPositionalArg[Path] = Field(
+        description="a finished run's --output-dir, or gpu_check's --out folder (gpu_trace.json)"
+    )
     compare: list[Path] = Field(
         default_factory=list, description="other runs of the same work to check the predictions against"
     )
@@ -49,6 +75,12 @@ class FromRunCommand(BaseModel):
     host: from_run.HostAssumptions = Field(default_factory=from_run.HostAssumptions)
 
     def cli_cmd(self) -> None:
+        trace = self.output_dir / gpu_calibration.TRACE_NAME
+        if trace.is_file():  # a GPU run (tools/gpu_check.py --out DIR): calibrate the device's figures
+            calibration = gpu_calibration.calibrate(gpu_calibration.read_trace(trace))
+            print("\n".join(gpu_calibration.report(calibration)))
+            if not (self.output_dir / "summary.json").is_file():
+                return
         run = read_run(self.output_dir, self.max_new_tokens)
         compare = [read_run(p, self.max_new_tokens) for p in self.compare]
         counts = self.generators or [run.num_generators, 2 * run.num_generators]
@@ -61,13 +93,18 @@ class FromRunCommand(BaseModel):
 class PlanCommand(BaseModel):
     """Recommend the generator/trainer split and the schedule for a cluster, with predicted step times."""
 
-    model: str = Field("8b", description="8b, 70b, 405b, smollm2-135m or a transformers model folder")
+    model: str = Field(
+        "8b", description="8b, 70b, 405b, qwen2.5-7b, qwen3-30b-a3b, ... or a transformers model folder"
+    )
     gpus: int = Field(64, ge=2, description="devices in the cluster")
     generator_dtype: str = Field("fp8", description="generator weights: fp8 or bf16")
     top: int = Field(5, ge=1, description="splits shown for the recommended mode")
+    trainer_replicas: int = Field(2, ge=1, description="data-parallel trainer replicas for failure recovery")
     workload: Workload = Field(default_factory=Workload)
     gpu: GpuSpec = Field(default_factory=GpuSpec)
     efficiency: Efficiency = Field(default_factory=Efficiency)
+    delta: DeltaSync = Field(default_factory=DeltaSync)
+    failures: FailureModel = Field(default_factory=FailureModel)
 
     def cli_cmd(self) -> None:
         lines = plan.report(
@@ -78,6 +115,7 @@ class PlanCommand(BaseModel):
             self.efficiency,
             generator_dtype=self.generator_dtype,
             top=self.top,
+            extras=plan.Extras(self.delta, self.failures, self.trainer_replicas),
         )
         print("\n".join(lines))
 
@@ -91,7 +129,10 @@ class Simulate(BaseModel):
         cli_prog_name="simulate.py", cli_kebab_case=True, cli_implicit_flags=True
     )
 
-    paper: CliSubCommand[PaperCommand] = Field(description="the paper's table explained")
+    paper: CliSubCommand[PaperCommand] = Field(description="the paper's table under stated assumptions")
+    others: CliSubCommand[OthersCommand] = Field(
+        description="out of sample: other systems' published speed-ups, assumptions frozen"
+    )
     from_run: CliSubCommand[FromRunCommand] = Field(
         description="a measured run in other modes and rank counts"
     )

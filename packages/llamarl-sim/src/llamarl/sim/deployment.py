@@ -2,7 +2,9 @@
 
 A `Deployment` says where the generator and the trainer live (their own devices, or the generator on
 the trainer's devices: the synchronous baseline), how a generator replica is laid out and run, and
-how weights travel. `price` turns it and a `Workload` into the seconds of each phase of one step;
+how weights travel. `price` turns it and a `Workload` into the seconds of each phase of one step
+(with the trainer's state moved to host memory and back around generation when it does not stay
+resident beside a colocated generator, and a MoE model's routing-replay ids carried with the rollouts);
 `best_generator_layout` and `best_split` pick the layout and the generator/trainer split that give the
 shortest step (what `plan` searches, and LlamaRL's side of `paper`).
 """
@@ -12,12 +14,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from llamarl.sim import moe
 from llamarl.sim.generation import (
     GeneratorLayout,
     ReplicaCost,
     kv_footprint_tokens,
     replica_generate_s,
     shares,
+    streaming_generate_s,
 )
 from llamarl.sim.hardware import DTYPE_BYTES, Efficiency, GpuSpec
 from llamarl.sim.memory import kv_budget_per_gpu, trainer_bytes_per_gpu, trainer_fits
@@ -44,6 +48,9 @@ class Deployment:
     trainer_state_resident: bool = True  # colocated: the trainer's state stays while it generates
     weight_sync: SyncLayout = "shard_to_shard"
     wire_dtype: str = "bf16"
+    sync_bytes_per_param: float | None = None  # on the wire; None: the whole model in wire_dtype
+    partial_rollout: bool = False  # unfinished sequences carry over: no step waits for its tail
+    recompute_logprobs: bool = False  # the trainer recomputes old log-probs (one more forward pass)
 
     @property
     def total_gpus(self) -> int:
@@ -73,12 +80,13 @@ class PhaseTimes:
     train_s: float
     weight_sync_s: float
     move_s: float = 0.0
+    offload_s: float = 0.0  # colocated: the trainer's state to host memory and back, per step
     detail: dict[str, float] = field(default_factory=dict, compare=False)
 
     @property
     def sync_step_s(self) -> float:
         """A synchronous step: every phase in turn."""
-        return self.generate_s + self.move_s + self.train_s + self.weight_sync_s
+        return self.generate_s + self.move_s + self.train_s + self.weight_sync_s + self.offload_s
 
     @property
     def async_step_s(self) -> float:
@@ -123,10 +131,13 @@ def _generate_s(
     if d.replicas < 1 or batch < 1:
         return math.inf, detail
     per_replica = shares(lengths, d.replicas, workload.samples_per_prompt)
-    seconds = max(
-        replica_generate_s(p, cost, workload.prompt_tokens, batch, continuous=layout.continuous_batching)
-        for p in per_replica
-    )
+    if d.partial_rollout:
+        seconds = max(streaming_generate_s(p, cost, workload.prompt_tokens, batch) for p in per_replica)
+    else:
+        seconds = max(
+            replica_generate_s(p, cost, workload.prompt_tokens, batch, continuous=layout.continuous_batching)
+            for p in per_replica
+        )
     detail["step_ms_at_max_batch"] = 1e3 * cost.step_s(
         min(batch, len(per_replica[0])), workload.prompt_tokens + footprint / 2
     )
@@ -137,11 +148,34 @@ def price(d: Deployment, workload: Workload, gpu: GpuSpec, eff: Efficiency, seed
     """The phase times of one step of `workload` on deployment `d`."""
     gen_s, detail = generate_s(d, workload, gpu, eff, seed)
     lengths = workload.output_lengths(seed=seed)
-    train = train_s(d.model, workload.prompt_tokens, lengths, gpus=d.trainer_gpus, gpu=gpu, eff=eff)
-    sync = weight_sync_s(
+    train = train_s(
+        d.model,
+        workload.prompt_tokens,
+        lengths,
+        gpus=d.trainer_gpus,
+        gpu=gpu,
+        eff=eff,
+        recompute_logprobs=d.recompute_logprobs,
+    )
+    if d.colocated:
+        train *= eff.colocated_train_slowdown
+    return PhaseTimes(
+        generate_s=gen_s,
+        train_s=train,
+        weight_sync_s=sync_s(d, gpu, eff),
+        move_s=replay_move_s(d, workload, lengths, gpu, eff),
+        offload_s=offload_s(d, gpu, eff),
+        detail=detail,
+    )
+
+
+def sync_s(d: Deployment, gpu: GpuSpec, eff: Efficiency) -> float:
+    """Seconds of one weight sync of deployment `d` (its layout, its bytes on the wire)."""
+    wire = DTYPE_BYTES[d.wire_dtype] if d.sync_bytes_per_param is None else d.sync_bytes_per_param
+    return weight_sync_s(
         d.weight_sync,
         d.model,
-        wire_bytes_per_param=DTYPE_BYTES[d.wire_dtype],
+        wire_bytes_per_param=wire,
         trainer_gpus=d.trainer_gpus,
         replicas=max(d.replicas, 1),
         replica_gpus=d.generator.gpus,
@@ -149,7 +183,28 @@ def price(d: Deployment, workload: Workload, gpu: GpuSpec, eff: Efficiency, seed
         eff=eff,
         crosses_nodes=d.colocated or d.total_gpus > gpu.gpus_per_node,
     )
-    return PhaseTimes(generate_s=gen_s, train_s=train, weight_sync_s=sync, detail=detail)
+
+
+def offload_s(d: Deployment, gpu: GpuSpec, eff: Efficiency) -> float:
+    """Seconds per step to move a colocated trainer's sharded state to host memory before generation
+    and back after it (zero when it stays resident or the generator has devices of its own)."""
+    if not d.colocated or d.trainer_state_resident:
+        return 0.0
+    state = d.model.params * eff.trainer_bytes_per_param / d.trainer_gpus
+    return 2 * state / (gpu.host_link_gbs * 1e9)
+
+
+def replay_move_s(
+    d: Deployment, workload: Workload, lengths: list[int], gpu: GpuSpec, eff: Efficiency
+) -> float:
+    """Seconds to carry a MoE model's routing-replay ids from the generators to the trainer (every
+    generator device sends its share over the network; zero for dense models and colocated ones)."""
+    if not d.model.is_moe or d.colocated:
+        return 0.0
+    tokens = sum(workload.prompt_tokens + n for n in lengths)
+    senders = max(1, min(d.generator_gpus, d.trainer_gpus))
+    per_device = moe.routing_replay_bytes(d.model, tokens) / senders
+    return per_device / (gpu.link_bandwidth(crosses_nodes=True) * eff.link_eff)
 
 
 def best_generator_layout(

@@ -18,6 +18,7 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from llamarl.sim import moe
 from llamarl.sim.hardware import DTYPE_BYTES, Efficiency, GpuSpec
 from llamarl.sim.models import ModelSpec
 
@@ -70,7 +71,8 @@ class ReplicaCost:
         self.kv_bytes_per_token_gpu = model.kv_bytes_per_token(DTYPE_BYTES[layout.kv_dtype]) / (
             min(tp, model.kv_heads) * pp
         )
-        self._stage_weight_bytes = model.matmul_params * DTYPE_BYTES[layout.weight_dtype] / (tp * pp)
+        self._weight_bytes_per_param = DTYPE_BYTES[layout.weight_dtype] / (tp * pp)
+        self._stage_weight_bytes = model.matmul_params * self._weight_bytes_per_param
         self._bandwidth = gpu.memory_bandwidth * eff.decode_bandwidth_eff
         self._decode_flops = gpu.peak_flops(layout.weight_dtype) * eff.decode_compute_eff * tp * pp
         self._prefill_flops = gpu.peak_flops(layout.weight_dtype) * eff.prefill_compute_eff * tp
@@ -88,7 +90,12 @@ class ReplicaCost:
     def step_s(self, batch: int, context: float) -> float:
         """Seconds of one decoding step of `batch` sequences attending to `context` tokens on average."""
         m, tp, pp = self.model, self.layout.tp, self.layout.pp
-        stage_bytes = self._stage_weight_bytes + batch * context * self.kv_bytes_per_token_gpu
+        weight_bytes = (
+            moe.decode_read_params(m, batch) * self._weight_bytes_per_param
+            if m.is_moe
+            else self._stage_weight_bytes
+        )
+        stage_bytes = weight_bytes + batch * context * self.kv_bytes_per_token_gpu
         memory_s = stage_bytes / self._bandwidth
         compute_s = batch * m.forward_flops_per_token(context) / self._decode_flops
         activation_bytes = batch * m.hidden * 2
@@ -97,7 +104,14 @@ class ReplicaCost:
             if tp == 1
             else self._allreduce_latency + 2 * (tp - 1) / tp * activation_bytes / self._allreduce_bw
         )
-        per_layer_s = self._layer_overhead_s + 2 * allreduce_s
+        # A MoE layer's experts are spread over the tensor-parallel devices (expert parallelism): its
+        # MLP all-reduce becomes a dispatch and combine.
+        mlp_s = (
+            moe.all_to_all_s(m, batch, tp, self._allreduce_bw, self._allreduce_latency)
+            if m.is_moe
+            else allreduce_s
+        )
+        per_layer_s = self._layer_overhead_s + allreduce_s + mlp_s
         stage_s = max(memory_s, compute_s) + m.layers / pp * per_layer_s
         p2p_s = self.eff.p2p_latency_us * 1e-6 + activation_bytes / self._p2p_bw
         return pp * stage_s + (pp - 1) * p2p_s
@@ -175,6 +189,26 @@ def replica_generate_s(
             heapq.heappop(running)
             start_sum -= ends_started[step].pop()
     return total
+
+
+def streaming_generate_s(
+    lengths: Sequence[int], cost: ReplicaCost, prompt_tokens: int, max_batch: int
+) -> float:
+    """Seconds one replica spends on one step's worth of `lengths` when it never waits for a tail.
+
+    Partial rollouts (AReaL's interruptible generation, verl's fully async mode): sequences still
+    running when the step's quota is done carry over to the next step, so in steady state every slot
+    is busy and the step costs its tokens at the full batch: sum(L) / batch decoding steps at the
+    time-weighted mean context (prompt + E[L^2] / 2 E[L]), plus one prefill per sequence.
+    """
+    if not lengths:
+        return 0.0
+    if max_batch < 1:
+        return float("inf")
+    batch = min(max_batch, len(lengths))
+    context = kv_footprint_tokens(lengths, prompt_tokens, continuous=True)
+    steps = sum(lengths) / batch
+    return cost.prefill_s(len(lengths), prompt_tokens) + steps * cost.step_s(batch, context)
 
 
 def shares(lengths: Sequence[int], parts: int, group: int = 1) -> list[list[int]]:

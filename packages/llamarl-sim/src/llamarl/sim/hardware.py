@@ -23,6 +23,11 @@ class GpuSpec(BaseModel):
     gpus_per_node: int = Field(8, ge=1, description="devices joined by NVLink in one node")
     nvlink_gbs: float = Field(450.0, gt=0, description="NVLink bandwidth per device, one direction (GB/s)")
     network_gbs: float = Field(50.0, gt=0, description="network bandwidth per device between nodes (GB/s)")
+    host_link_gbs: float = Field(
+        25.0,
+        gt=0,
+        description="device <-> host memory per device, one direction, achieved (GB/s; PCIe 5 x16)",
+    )
 
     def peak_flops(self, dtype: str) -> float:
         """Dense peak FLOP/s for matmuls in `dtype` (fp32 runs at the bf16 rate: TF32 tensor cores)."""
@@ -39,6 +44,15 @@ class GpuSpec(BaseModel):
     def link_bandwidth(self, crosses_nodes: bool) -> float:
         """Bytes/s one device can send (or receive) to a peer, within a node or across nodes."""
         return (self.network_gbs if crosses_nodes else self.nvlink_gbs) * 1e9
+
+
+# Other devices the out-of-sample cases ran on (datasheet values; `others` cites each case's device).
+H800 = GpuSpec(name="H800 SXM 80GB", nvlink_gbs=200.0)  # H100 compute and memory, NVLink cut to 400 GB/s
+H20 = GpuSpec(
+    name="H20 96GB", memory_gb=96.0, memory_bandwidth_tbs=4.0, bf16_tflops=148.0, fp8_tflops=296.0
+)  # Hopper with a fifth of H100's compute and more memory bandwidth
+H200 = GpuSpec(name="H200 SXM 141GB", memory_gb=141.0, memory_bandwidth_tbs=4.8)  # H100 compute
+GPUS: dict[str, GpuSpec] = {"h100": GpuSpec(), "h200": H200, "h800": H800, "h20": H20}
 
 
 class Efficiency(BaseModel):
@@ -85,6 +99,12 @@ class Efficiency(BaseModel):
     )
     trainer_workspace_gb: float = Field(
         8.0, ge=0, description="per device: one layer's recomputed activations, logits, allocator slack (GB)"
+    )
+    colocated_train_slowdown: float = Field(
+        1.0,
+        ge=1,
+        description="a colocated trainer's step time over a dedicated one's on as many devices (1: the same "
+        "MFU; verl's published phase times imply about 2.3, see `others`)",
     )
     max_seqs_per_replica: int = Field(
         512, ge=1, description="most sequences one generator replica decodes at once (engine limit)"

@@ -7,36 +7,45 @@ candidate is priced per phase and its step simulated in each mode:
 - `async`: lock step, one policy version behind; the two halves run at once.
 - `stream`: generators never wait for the trainer (bounded buffer, staleness bound 1).
 
-A colocated synchronous system (generator on the trainer's devices, as DeepSpeed-Chat-like systems)
-is priced too, for reference: it is what a cluster gives without llamarl's split.
+The strongest synchronous baseline (`llamarl.sim.baselines`: colocated, the trainer's state offloaded
+while generating, a modern fp8 engine) is priced too: it is what a cluster gives without llamarl's
+split, and the recommendation says what the split buys against it. The report then prices what is
+being built around the recommended system: the weight sync as a delta (`DeltaSync`), failures
+recovered by trainer replicas against a restart from the last checkpoint (`llamarl.sim.recovery`),
+and, for a mixture-of-experts model, the expert all-to-all and the routing-replay bytes
+(`llamarl.sim.moe`).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
+from llamarl.sim import baselines, moe, recovery
 from llamarl.sim.deployment import (
     PP_CHOICES,
     Deployment,
     PhaseTimes,
     best_generator_layout,
     price,
+    sync_s,
 )
 from llamarl.sim.generation import GeneratorLayout
 from llamarl.sim.hardware import Efficiency, GpuSpec
 from llamarl.sim.memory import activation_bytes, trainer_fits
 from llamarl.sim.models import ModelSpec
+from llamarl.sim.recovery import FailureModel
 from llamarl.sim.schedules import (
     ConstantCosts,
     StreamSettings,
     simulate_lockstep,
     simulate_stream,
 )
-from llamarl.sim.weight_sync import weight_sync_s
+from llamarl.sim.weight_sync import DeltaSync, weight_sync_s
 from llamarl.sim.workload import Workload
 
 MODES = ("sync", "async", "stream")
+STRONGEST = "sync, colocated, offloaded (strongest baseline)"
 
 
 @dataclass(frozen=True)
@@ -96,19 +105,12 @@ def candidates(
             continue
         times = price(d, workload, gpu, eff)
         out += [Candidate(mode, d, times, step_time(mode, times)) for mode in MODES]
-    if trainer_fits(model, total_gpus, gpu, eff):
-        shared = Deployment(
-            model,
-            total_gpus,
-            total_gpus,
-            GeneratorLayout(weight_dtype="bf16"),
-            colocated=True,
-            weight_sync="colocated_reshard",
-        )
-        shared, seconds = best_generator_layout(shared, workload, gpu, eff, tps=(1, 2, 4, 8), pps=PP_CHOICES)
-        if not math.isinf(seconds):
-            times = price(shared, workload, gpu, eff)
-            out.append(Candidate("sync, colocated (reference)", shared, times, times.sync_step_s))
+    strongest = baselines.strongest_sync(
+        model, total_gpus, workload, gpu, eff, generator_dtype=generator_dtype
+    )
+    if strongest is not None and not math.isinf(strongest[1].generate_s):
+        shared, times = strongest
+        out.append(Candidate(STRONGEST, shared, times, times.sync_step_s))
     return out
 
 
@@ -121,6 +123,15 @@ def best_per_mode(found: list[Candidate]) -> list[Candidate]:
     return sorted(best.values(), key=lambda c: c.step_s)
 
 
+@dataclass(frozen=True)
+class Extras:
+    """What the report prices around the recommended system (stated inputs, defaults documented)."""
+
+    delta: DeltaSync = field(default_factory=DeltaSync)
+    failures: FailureModel = field(default_factory=FailureModel)
+    trainer_replicas: int = 2
+
+
 def report(
     model: ModelSpec,
     total_gpus: int,
@@ -130,12 +141,16 @@ def report(
     *,
     generator_dtype: str = "fp8",
     top: int = 5,
+    extras: Extras | None = None,
 ) -> list[str]:
-    """The `plan` command's output: the best candidate per mode, the best splits, a recommendation."""
+    """The `plan` command's output: the best candidate per mode, the best splits, a recommendation,
+    then the weight sync (whole and as a delta), failures and, for MoE models, expert costs."""
+    extras = extras or Extras()
     found = candidates(model, total_gpus, workload, gpu, eff, generator_dtype=generator_dtype)
     found = [c for c in found if not math.isinf(c.step_s)]
+    active = f", {model.active_matmul_params / 1e9:.1f}B active per token" if model.is_moe else ""
     lines = [
-        f"Plan: {model.name} ({model.params / 1e9:.1f}B parameters) on {total_gpus} x {gpu.name}",
+        f"Plan: {model.name} ({model.params / 1e9:.1f}B parameters{active}) on {total_gpus} x {gpu.name}",
         f"  workload: {workload.describe()}",
         f"  trainer: {eff.trainer_bytes_per_param:.0f} bytes/parameter sharded over its devices, plus "
         f"{activation_bytes(model, eff) / 1e9:.1f} GB of checkpointed activations and "
@@ -160,40 +175,101 @@ def report(
             f"{t.weight_sync_s:.2f} | {c.step_s:.2f} |"
         )
     best = ranked[0]
-    d = best.deployment
-    same_split_sync = next((c for c in found if c.mode == "sync" and c.deployment == d), None)
-    lines += [
-        "",
-        f"Recommendation: {best.mode} with {best.label} devices ({d.replicas} generator replicas of "
-        f"{d.generator.describe()}): {best.step_s:.2f} s per step.",
-    ]
-    others = [f"{c.mode} at best {c.step_s:.2f} s" for c in ranked[1:]]
-    if same_split_sync is not None and best.mode != "sync":
-        others.append(f"sync on the same split {same_split_sync.step_s:.2f} s")
-    if others:
-        lines.append("  Against: " + "; ".join(others) + ".")
-    sync_bytes = model.params * 2
-    gathered = weight_sync_s(
-        "gather_broadcast",
-        model,
-        wire_bytes_per_param=2,
-        trainer_gpus=d.trainer_gpus,
-        replicas=max(d.replicas, 1),
-        replica_gpus=d.generator.gpus,
-        gpu=gpu,
-        eff=eff,
-    )
-    lines.append(
-        f"  Weight sync: {sync_bytes / 1e9:.1f} GB of bf16 weights per replica, shard to shard in "
-        f"{best.times.weight_sync_s:.2f} s per step (every trainer device sends its own shards); "
-        f"gathered on one device and broadcast it would take {gathered:.1f} s."
-    )
-    if best.mode != "sync":
-        lines.append(
-            "  Off-policy: the trainer learns from samples one policy version old (AIPO corrects for it)."
-        )
+    lines += ["", *_recommendation_lines(best, ranked, found)]
+    lines += _weight_sync_lines(model, best, gpu, eff, extras.delta)
+    if not best.deployment.colocated:
+        lines += _recovery_lines(model, best, gpu, eff, extras)
+    if model.is_moe:
+        lines += _moe_lines(model, best, workload, gpu, eff)
     lines.append(
         "  Stream matches async here because every step is priced with the same phase times; it gains "
         "when generation times vary from step to step (from-run prices measured steps)."
     )
     return lines
+
+
+def _recommendation_lines(best: Candidate, ranked: list[Candidate], found: list[Candidate]) -> list[str]:
+    d = best.deployment
+    lines = [
+        f"Recommendation: {best.mode} with {best.label} devices ({d.replicas} generator replicas of "
+        f"{d.generator.describe()}): {best.step_s:.2f} s per step."
+    ]
+    same_split_sync = next((c for c in found if c.mode == "sync" and c.deployment == d), None)
+    others = [f"{c.mode} at best {c.step_s:.2f} s" for c in ranked[1:]]
+    if same_split_sync is not None and best.mode != "sync":
+        others.append(f"sync on the same split {same_split_sync.step_s:.2f} s")
+    if others:
+        lines.append("  Against: " + "; ".join(others) + ".")
+    strongest = next((c for c in found if c.mode == STRONGEST), None)
+    if strongest is not None and best is not strongest:
+        lines.append(
+            f"  Against the strongest synchronous baseline ({strongest.deployment.generator.describe()} on "
+            f"all {strongest.deployment.trainer_gpus} devices, trainer state offloaded while generating): "
+            f"{strongest.step_s / best.step_s:.2f}x."
+        )
+    if best.mode != "sync":
+        lines.append(
+            "  Off-policy: the trainer learns from samples one policy version old (AIPO corrects for it)."
+        )
+    return lines
+
+
+def _weight_sync_lines(
+    model: ModelSpec, best: Candidate, gpu: GpuSpec, eff: Efficiency, delta: DeltaSync
+) -> list[str]:
+    d = best.deployment
+    kw = {
+        "trainer_gpus": d.trainer_gpus,
+        "replicas": max(d.replicas, 1),
+        "replica_gpus": d.generator.gpus,
+        "gpu": gpu,
+        "eff": eff,
+    }
+    gathered = weight_sync_s("gather_broadcast", model, wire_bytes_per_param=2, **kw)
+    wire = delta.wire_bytes_per_param(2.0)
+    as_delta = sync_s(replace(d, sync_bytes_per_param=wire), gpu, eff)
+    return [
+        f"  Weight sync: {model.params * 2 / 1e9:.1f} GB of bf16 weights per replica, "
+        f"{d.weight_sync.replace('_', ' ')} in {best.times.weight_sync_s:.2f} s per step; gathered on one "
+        f"device and broadcast it would take {gathered:.1f} s.",
+        f"  As a delta ({delta.change_density:.0%} of weights changed per step, PULSE arXiv 2602.03839; "
+        f"{wire:.3f} bytes per parameter): {model.params * wire / 1e9:.1f} GB in {as_delta:.2f} s.",
+    ]
+
+
+def _recovery_lines(
+    model: ModelSpec, best: Candidate, gpu: GpuSpec, eff: Efficiency, extras: Extras
+) -> list[str]:
+    d = best.deployment
+    replicas = extras.trainer_replicas
+    if d.trainer_gpus % replicas or not trainer_fits(model, d.trainer_gpus // replicas, gpu, eff):
+        return [f"  Trainer replica recovery: {replicas} replicas of the trainer do not fit its devices."]
+    cost = recovery.recovery_cost(
+        model,
+        trainer_gpus=d.trainer_gpus,
+        generator_gpus=d.generator_gpus,
+        trainer_replicas=replicas,
+        generator_replicas=d.replicas,
+        step_s=best.step_s,
+        gpu=gpu,
+        eff=eff,
+        failures=extras.failures,
+    )
+    return recovery.describe(cost, extras.failures, replicas)
+
+
+def _moe_lines(
+    model: ModelSpec, best: Candidate, workload: Workload, gpu: GpuSpec, eff: Efficiency
+) -> list[str]:
+    d, t = best.deployment, best.times
+    lengths = workload.output_lengths()
+    tokens = sum(workload.prompt_tokens + n for n in lengths)
+    exchange = moe.train_all_to_all_s(model, tokens, d.trainer_gpus, gpu, eff)
+    replay = moe.routing_replay_bytes(model, tokens)
+    return [
+        f"  MoE: {model.experts_per_token} of {model.experts} experts per token; the trainer's expert "
+        f"all-to-all (experts over the devices of a node, not overlapped) is {exchange:.2f} s of its "
+        f"{t.train_s:.2f} s; routing replay carries {replay / 1e6:.0f} MB of expert ids per step "
+        f"({model.layers} layers x {model.experts_per_token} ids per token) to the trainer in "
+        f"{t.move_s * 1e3:.1f} ms."
+    ]

@@ -12,10 +12,11 @@ shards are cut and the CPU backend's kernel repacking is redone. Copying into th
 Driver side::
 
     from vllm import LLM
-    from llamarl.comm.adapters.vllm import WORKER_EXTENSION_CLS, sync_weights
+    from llamarl.comm import WeightSyncEndpoint
+    from llamarl.comm.adapters.vllm import WORKER_EXTENSION_CLS, join_weight_sync, sync_weights
 
     llm = LLM(model=model_dir, worker_extension_cls=WORKER_EXTENSION_CLS, ...)
-    llm.collective_rpc("init_weight_sync", kwargs=dict(host=host, port=port, rank=1, world_size=2))
+    join_weight_sync(llm, WeightSyncEndpoint(host=host, port=port, rank=1, world_size=2))
     policy_version = sync_weights(llm)  # blocks until the trainer (rank 0) has sent one sync
     llm.collective_rpc("weight_version")  # -> [policy_version] (one entry per worker)
     llm.collective_rpc("close_weight_sync")
@@ -39,15 +40,16 @@ llamarl.comm does what LlamaRL's DDMA needs instead: each slice goes straight fr
 that owns it to the worker that needs it, resharded on the way (TP slices, fused qkv), in checksummed
 and versioned buckets, every wait with a deadline, and a restarted engine rejoins. So:
 
-- A worker on CUDA receives over llamarl.comm with NCCL (`backend` defaults to "nccl" when the worker's
-  device is CUDA; the trainer's group must use "nccl" too) into staging buffers on its own GPU (the
+- A worker on CUDA receives over llamarl.comm with NCCL (the endpoint's `backend` "nccl"; the trainer's
+  group uses the same endpoint values) into staging buffers on its own GPU (the
   group's device), and vLLM's loader copies them from there into its parameters: the weights never pass
   through host memory. The staging costs one copy of the worker's weights in GPU memory, kept between
   syncs (vLLM's layerwise reload needs a layer's weights in one call, so a sync loads in one call).
 - A trainer on the engine's GPU (two ranks on one device cannot form an NCCL communicator) shares its
-  tensors instead: `init_weight_sync(..., colocated=True)` maps them by CUDA IPC (`llamarl.comm.colocated`,
-  handles as JSON through the group's store, never pickles) and vLLM's loader copies straight from the
-  trainer's memory, with no staging at all. The trainer runs a `ColocatedSender` on the same group.
+  tensors instead: `join_weight_sync(llm, endpoint, colocated=True)` maps them by CUDA IPC
+  (`llamarl.comm.colocated`, handles as JSON through the group's store, never pickles) and vLLM's
+  loader copies straight from the trainer's memory, with no staging at all. The trainer runs a
+  `ColocatedSender` on the same group.
 
 Neither CUDA path has run on a GPU yet: on the CPU the NCCL path's message order is tested with the
 NCCL-rules transport (`llamarl.comm.testing`), and the colocated protocol with shared-memory files
@@ -82,7 +84,7 @@ from typing import Any
 
 import torch
 
-from llamarl.comm.transport import DEAD_AFTER_S
+from llamarl.comm.endpoint import WeightSyncEndpoint
 
 __all__ = [
     "INITIAL_POLICY_VERSION",
@@ -90,6 +92,7 @@ __all__ = [
     "TensorSpec",
     "WeightSyncWorkerExtension",
     "checkpoint_tensor_specs",
+    "join_weight_sync",
     "resolve_model_dir",
     "sync_weights",
 ]
@@ -194,64 +197,34 @@ class WeightSyncWorkerExtension:
     `self` is the vLLM worker: `self.rank`, `self.device`, `self.vllm_config`, `self.model_runner`.
     """
 
-    def init_weight_sync(
-        self,
-        host: str,
-        port: int,
-        rank: int,
-        world_size: int,
-        timeout_s: float = 120.0,
-        src_rank: int = 0,
-        backend: str | None = None,
-        colocated: bool = False,
-        dead_after_s: float = DEAD_AFTER_S,
-    ) -> int:
-        """Join the weight-sync group hosted by the trainer (rank `src_rank` hosts the store).
+    def init_weight_sync(self, endpoint: dict[str, Any], colocated: bool = False) -> int:
+        """Join the weight-sync group hosted by the trainer; returns the number of tensors this worker
+        expects. Drivers call it through `join_weight_sync(llm, endpoint)`.
 
-        `rank` is the sync-group rank of the engine's worker 0; worker i (tensor/pipeline parallel) joins
-        as `rank + i`, so an engine with N workers takes N consecutive ranks. The trainer's
+        `endpoint`: the `WeightSyncEndpoint` of the engine's worker 0, as JSON (`to_json()`: what
+        `collective_rpc` carries to workers in other processes); worker i (tensor/pipeline parallel)
+        joins as its `rank + i`, so an engine with N workers takes N consecutive ranks. The trainer's
         `WeightSender` must be constructed at about the same time: both sides publish their layouts and
-        wait (at most `timeout_s`) for each other's. Returns the number of tensors this worker expects.
-
-        `backend`: "nccl" when the worker's device is CUDA (received straight into buffers on that GPU),
-        else "gloo"; the trainer's group must use the same. `dead_after_s`: a wait for a trainer rank
-        ends once its heartbeat has stood still this long (`WeightSyncGroup`). `colocated=True`: the
-        trainer runs on this worker's GPU with a `llamarl.comm.colocated.ColocatedSender`, whose memory
-        the worker maps (no process group, no staging). Neither CUDA path has run on a GPU yet (module
-        doc).
+        wait (at most `endpoint.timeout_s`) for each other's. Its `backend` is the whole group's:
+        "nccl" receives straight into buffers on the worker's GPU, "gloo" into host memory.
+        `colocated=True`: the trainer runs on this worker's GPU with a
+        `llamarl.comm.colocated.ColocatedSender` (rank `endpoint.src_rank`), whose memory the worker
+        maps (no process group, no staging). Neither CUDA path has run on a GPU yet (module doc).
         """
-        from llamarl.comm import WeightReceiver, WeightSyncGroup
-        from llamarl.comm.colocated import ColocatedReceiver
+        from llamarl.comm import WeightSyncEndpoint, WeightSyncGroup
 
         if getattr(self, _STATE_ATTR, None) is not None:
             raise RuntimeError("init_weight_sync called twice without close_weight_sync")
         model_config = self.vllm_config.model_config  # type: ignore[attr-defined]
         specs = checkpoint_tensor_specs(resolve_model_dir(model_config.model, model_config.revision))
+        engine_endpoint = WeightSyncEndpoint.from_json(endpoint)
         device = torch.device(self.device)  # type: ignore[attr-defined]
-        if backend is None:
-            backend = "nccl" if device.type == "cuda" else "gloo"
         group = WeightSyncGroup(
-            host=host,
-            port=port,
-            rank=rank + self.rank,  # type: ignore[attr-defined]
-            world_size=world_size,
-            timeout_s=timeout_s,
-            backend=backend,
-            device=device if backend == "nccl" else None,
-            dead_after_s=dead_after_s,
+            engine_endpoint.for_rank(engine_endpoint.rank + self.rank),  # type: ignore[attr-defined]
+            device=device if engine_endpoint.backend == "nccl" else None,
         )
-        # The receivers only read names, shapes and dtypes from these (meta: no memory). The p2p one
-        # stages each sync in buffers of its own on the group's device; the colocated one hands vLLM's
-        # loader the trainer's own (mapped) tensors. Either loads a sync in one call, once it is whole.
-        expected = {
-            name: torch.empty(spec.shape, dtype=spec.dtype, device="meta") for name, spec in specs.items()
-        }
-        load_fn = functools.partial(_reload_weights, self)
         try:
-            if colocated:
-                receiver: Any = ColocatedReceiver(group, expected, src_rank=src_rank, load_fn=load_fn)
-            else:
-                receiver = WeightReceiver(group, expected, src_rank=src_rank, load_fn=load_fn)
+            receiver = _receiver(self, group, specs, colocated=colocated)
         except BaseException:
             group.close()
             raise
@@ -288,6 +261,23 @@ class WeightSyncWorkerExtension:
         setattr(self, _STATE_ATTR, None)
         state.receiver.close()
         state.group.close()
+
+
+def _receiver(worker: Any, group: Any, specs: dict[str, TensorSpec], *, colocated: bool) -> Any:
+    """The worker's receiving end: a `WeightReceiver` that stages each sync in buffers of its own on the
+    group's device, or a `ColocatedReceiver` that hands vLLM's loader the trainer's own (mapped)
+    tensors. Either loads a sync in one call, once it is whole."""
+    from llamarl.comm import WeightReceiver
+    from llamarl.comm.colocated import ColocatedReceiver
+
+    # The receivers only read names, shapes and dtypes from these (meta: no memory).
+    expected = {
+        name: torch.empty(spec.shape, dtype=spec.dtype, device="meta") for name, spec in specs.items()
+    }
+    load_fn = functools.partial(_reload_weights, worker)
+    if colocated:
+        return ColocatedReceiver(group, expected, load_fn=load_fn)
+    return WeightReceiver(group, expected, load_fn=load_fn)
 
 
 def _reload_weights(worker: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -327,6 +317,16 @@ def _retie_lm_head(worker: Any) -> None:
     if lm_head.weight is not embed.weight:
         lm_head.quant_method.tie_weights(lm_head, embed)
     lm_head.quant_method.process_weights_after_loading(lm_head)
+
+
+def join_weight_sync(llm: Any, endpoint: WeightSyncEndpoint, *, colocated: bool = False) -> int:
+    """Driver side of joining: every worker of `llm` (a `vllm.LLM` built with
+    `worker_extension_cls=WORKER_EXTENSION_CLS`) joins the group `endpoint` describes (its rank: the
+    engine's worker 0's). Returns the number of tensors the engine expects."""
+    counts = llm.collective_rpc(
+        "init_weight_sync", kwargs={"endpoint": endpoint.to_json(), "colocated": colocated}
+    )
+    return int(counts[0])
 
 
 def sync_weights(llm: Any, *, timeout_s: float | None = None) -> int:

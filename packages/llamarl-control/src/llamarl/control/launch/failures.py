@@ -11,7 +11,7 @@ Every way a run can end early is one line for the user and an exit code, with th
   a missed deadline), else with its traceback; every rank's record stays in OUTPUT_DIR/errors/.
 - A rank killed by a signal: which signal, and when the kernel's out-of-memory killer did it, that
   (the kernel log's line for that process, or the memory cgroup's OOM count), with the memory the
-  rank and the machine had at the launcher's last look (`MemoryWatch`).
+  rank and the machine had at the launcher's last look (its `ProcessTreeMemory`).
 """
 
 from __future__ import annotations
@@ -19,19 +19,18 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
-import os
 import re
 import signal
 import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from llamarl.control.config import ConfigError
-from llamarl.control.launch.memory import PeakAtOnce, rss_bytes
+from llamarl.control.launch.memory import ProcessTreeMemory
 
 # Exit codes of the apps: a run that failed, and one that was interrupted (128 + the signal, as shells do).
 EXIT_FAILED = 1
@@ -71,8 +70,12 @@ def raise_on_interrupt() -> None:
     is ignored (torch elastic kills a rank that takes too long)."""
 
     def handler(signum: int, frame: FrameType | None) -> None:
+        # Ignored by a Python handler that does nothing, not by SIG_IGN: Ctrl-C's SIGINT and torch
+        # elastic's SIGTERM often arrive together, and Python runs the handler of the second after the
+        # first raised; were it SIG_IGN by then, Python would raise "OSError: Signal 15 ignored due to
+        # race condition" in the middle of the rank's cleanup, and print its traceback.
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_IGN)
+            signal.signal(sig, _ignore)
         raise Interrupted(signum)
 
     previous_hook = sys.unraisablehook
@@ -98,27 +101,8 @@ def raise_on_interrupt() -> None:
         signal.signal(sig, handler)
 
 
-# --------------------------------------------------------------------------------------------------
-# the output folder
-
-
-def prepare_output_dir(path: Path) -> None:
-    """Creates the output folder and checks that files can be written in it; a folder that cannot
-    be is a one-line `ConfigError` naming the setting."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"output.dir (--output-dir) {path}: cannot create it ({_reason(e)})") from None
-    probe = path / f".write-test-{os.getpid()}"
-    try:
-        probe.write_bytes(b"llamarl")
-        probe.unlink()
-    except OSError as e:
-        raise ConfigError(f"output.dir (--output-dir) {path}: cannot write in it ({_reason(e)})") from None
-
-
-def _reason(error: OSError) -> str:
-    return error.strerror or type(error).__name__
+def _ignore(signum: int, frame: FrameType | None) -> None:
+    """A signal handler that does nothing."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -172,6 +156,20 @@ def write_error_record(path: Path, record: dict[str, Any]) -> None:
         f.truncate(len(data))
 
 
+def discard_unused_error_record(path: Path) -> None:
+    """Removes a reserved record that no error was written over (spaces only): a rank that did not fail
+    (or was killed before it could write) leaves no file."""
+    with contextlib.suppress(OSError):
+        if not path.read_bytes().strip():
+            path.unlink()
+
+
+def discard_unused_error_records(errors_dir: Path) -> None:
+    """`discard_unused_error_record` for every rank's record in `errors_dir`."""
+    for path in errors_dir.glob("rank*.json"):
+        discard_unused_error_record(path)
+
+
 def read_error_records(errors_dir: Path) -> dict[int, dict[str, Any]]:
     records = {}
     for path in errors_dir.glob("rank*.json"):
@@ -195,77 +193,17 @@ def describe_record(record: dict[str, Any], errors_dir: Path) -> str:
 # the out-of-memory killer
 
 
-class MemoryWatch:
-    """Samples, twice a second, the memory of every process under the launcher (each rank with its
-    engines and workers) and what the machine has left: the evidence for a rank the kernel killed; and
-    the most the whole run held at once, the launcher included (`at_once`).
-    Also reads the memory cgroup's OOM-kill count at start, to tell later whether the kernel's OOM
-    killer struck in between."""
+@dataclass(frozen=True)
+class OomBaseline:
+    """What the kernel's out-of-memory killer had done when the run started, to tell later whether it
+    struck meanwhile: the memory cgroup's OOM-kill count, and the kernel log's clock."""
 
-    def __init__(self, period_s: float = 0.5) -> None:
-        self.period_s = period_s
-        self.rss_mb: dict[int, float] = {}  # pid of a rank -> its tree's RSS at the last look
-        self.peak_rss_mb: dict[int, float] = {}
-        self.at_once = PeakAtOnce()  # every process of the run, this one too
-        self.available_mb: float | None = None
-        self.total_mb: float | None = None
-        self.oom_kills_at_start = cgroup_oom_kills()
-        self.started_uptime_s = uptime_s()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="memory-watch", daemon=True)
+    oom_kills: int | None
+    uptime_s: float | None
 
-    def __enter__(self) -> MemoryWatch:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-
-    def _run(self) -> None:
-        import psutil
-
-        me = psutil.Process()
-        while not self._stop.wait(self.period_s):
-            try:
-                everything = [me, *me.children(recursive=True)]  # one walk of the process table
-                for child in rank_processes(me):
-                    tree = [child, *_descendants(child, everything)]
-                    rss = sum(rss_bytes(p) for p in tree) / 2**20
-                    self.rss_mb[child.pid] = rss
-                    self.peak_rss_mb[child.pid] = max(rss, self.peak_rss_mb.get(child.pid, 0.0))
-                self.at_once.sample(everything)
-                memory = psutil.virtual_memory()
-                self.available_mb, self.total_mb = memory.available / 2**20, memory.total / 2**20
-            except psutil.Error:
-                continue
-
-
-def _descendants(root: Any, processes: list[Any]) -> list[Any]:
-    """Those of `processes` (psutil, listed parents first) below `root`, from their parent pids."""
-    below = {root.pid}
-    found = []
-    for process in processes:
-        try:
-            if process.ppid() in below:
-                below.add(process.pid)
-                found.append(process)
-        except Exception:  # gone meanwhile
-            continue
-    return found
-
-
-def rank_processes(launcher: Any) -> list[Any]:
-    """The launcher's rank processes (psutil): the children of the server they fork from
-    (`multiprocessing`'s forkserver), or its own children when ranks are spawned directly."""
-    ranks = []
-    for child in launcher.children():
-        try:
-            forks_ranks = "multiprocessing.forkserver" in " ".join(child.cmdline())
-        except Exception:  # gone meanwhile
-            continue
-        ranks.extend(child.children() if forks_ranks else [child])
-    return ranks
+    @classmethod
+    def now(cls) -> OomBaseline:
+        return cls(oom_kills=cgroup_oom_kills(), uptime_s=uptime_s())
 
 
 def cgroup_oom_kills() -> int | None:
@@ -325,43 +263,56 @@ def kernel_oom_line(log: str, pid: int, *, since_s: float | None) -> str | None:
 
 
 def describe_killed(
-    rank: int, pid: int, signal_name: str, watch: MemoryWatch | None, *, role: str | None = None
+    rank: int,
+    pid: int,
+    signal_name: str,
+    memory: ProcessTreeMemory | None,
+    *,
+    role: str | None = None,
+    baseline: OomBaseline | None = None,
 ) -> str:
-    """One line for a rank that died of a signal, saying whether the out-of-memory killer did it, and
-    which executor it was when `role` is given ("rank 3 (reward) died ...")."""
+    """One line for a rank that died of a signal, saying whether the out-of-memory killer did it (by the
+    kernel's log since `baseline`, or the memory cgroup's count), with what the rank's tree and the
+    machine held at `memory`'s last look, and which executor it was when `role` is given ("rank 3
+    (reward) died ...")."""
     who = f"rank {rank}" if role is None else f"rank {rank} ({role})"
-    memory = ""
-    if watch is not None and pid in watch.peak_rss_mb:
-        memory = f"; it used {watch.peak_rss_mb[pid]:.0f} MB with its engines and workers"
-        if watch.available_mb is not None and watch.total_mb is not None:
-            memory += (
-                f", the machine had {watch.available_mb:.0f} of {watch.total_mb:.0f} MB free at the last look"
-            )
+    held = _memory_at_last_look(memory, pid)
     if signal_name != "SIGKILL":
-        return f"{who} died ({signal_name}; pid {pid}{memory})"
+        return f"{who} died ({signal_name}; pid {pid}{held})"
     advice = "; use fewer or shorter sequences per step, or more memory"
     log = kernel_log()
-    line = (
-        None if log is None else kernel_oom_line(log, pid, since_s=watch.started_uptime_s if watch else None)
-    )
+    since = baseline.uptime_s if baseline is not None else None
+    line = None if log is None else kernel_oom_line(log, pid, since_s=since)
     if line is not None:
         killer = f"the kernel's out-of-memory killer killed it ({line})"
-        return f"{who} died (SIGKILL): {killer}{memory}{advice}"
-    before, after = (watch.oom_kills_at_start if watch else None), cgroup_oom_kills()
+        return f"{who} died (SIGKILL): {killer}{held}{advice}"
+    before, after = (baseline.oom_kills if baseline is not None else None), cgroup_oom_kills()
     if before is not None and after is not None and after > before:
         return (
             f"{who} died (SIGKILL): the kernel's out-of-memory killer killed {after - before} "
-            f"process(es) of this run's memory cgroup meanwhile (pid {pid}){memory}{advice}"
+            f"process(es) of this run's memory cgroup meanwhile (pid {pid}){held}{advice}"
         )
     if log is not None:
         return (
-            f"{who} died (SIGKILL): not by the out-of-memory killer (none in the kernel log; "
-            f"pid {pid}{memory})"
+            f"{who} died (SIGKILL): not by the out-of-memory killer (none in the kernel log; pid {pid}{held})"
         )
     return (
-        f"{who} died (SIGKILL; pid {pid}{memory}); the kernel log is not readable here to tell whether "
+        f"{who} died (SIGKILL; pid {pid}{held}); the kernel log is not readable here to tell whether "
         "the out-of-memory killer did it"
     )
+
+
+def _memory_at_last_look(memory: ProcessTreeMemory | None, pid: int) -> str:
+    """ "; it held 3900 MB with its engines and workers, the machine had 120 of 16000 MB free at the
+    last look" (empty when the launcher never saw process `pid`)."""
+    tree_mb = None if memory is None else memory.tree_rss_mb(pid)
+    if memory is None or tree_mb is None:
+        return ""
+    held = f"; it held {tree_mb:.0f} MB with its engines and workers"
+    machine = memory.machine_mb()
+    if machine is not None:
+        held += f", the machine had {machine[0]:.0f} of {machine[1]:.0f} MB free"
+    return held + " at the last look"
 
 
 # --------------------------------------------------------------------------------------------------

@@ -17,7 +17,6 @@ checkpoint. Under `torchrun` (or Slurm's srun of it), each process is one rank: 
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import json
 import logging
@@ -27,56 +26,45 @@ import signal
 import socket
 import sys
 import time
-import traceback
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.api import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from llamarl.comm import free_port
-from llamarl.control.cli import RESOLVED_CONFIG, write_config
 from llamarl.control.config import ConfigError, RunConfig, replace_in
-from llamarl.control.launch.devices import check_placement, pin_rank, this_rank_placement
+from llamarl.control.launch import lifeline
+from llamarl.control.launch.devices import check_placement
 from llamarl.control.launch.failures import (
-    Interrupted,
-    MemoryWatch,
+    OomBaseline,
     RunFailed,
     RunInterrupted,
     describe_killed,
     describe_record,
-    error_record,
+    discard_unused_error_records,
     last_checkpoint_note,
-    prepare_output_dir,
-    raise_on_interrupt,
     read_error_records,
-    reserve_error_record,
-    write_error_record,
 )
-from llamarl.control.launch.memory import memory_summary, own_peak
-from llamarl.control.launch.nodes import NodeWatch, describe_lost, nodes_as_records
-from llamarl.control.launch.threads import rank_threads
+from llamarl.control.launch.memory import ProcessTreeMemory, memory_summary, own_peak
+from llamarl.control.launch.nodes import describe_lost
+from llamarl.control.launch.output_dir import hold_output_dir, prepare_output_dir, write_resolved_config
+from llamarl.control.launch.rank import rank_main, run_rank_process
 from llamarl.control.outputs.report import write_report
 from llamarl.control.run.channels.weights import FIRST_TRAINER_RANK
 from llamarl.control.run.faults import ERRORS_DIR
 from llamarl.control.tasks import Task
-from llamarl.control.tasks.registry import load_task, register_task
+from llamarl.control.tasks.registry import load_task
 
 __all__ = ["Launched", "RunFailed", "RunInterrupted", "launch", "run_this_rank"]
 
-EXIT_GRACE_S = 2.0  # how long a failed rank waits before exiting, see _run_rank
 SHUTDOWN_TIMEOUT_S = 30  # after Ctrl-C or SIGTERM, how long ranks get to close before they are killed
-# Ranks are the big consumers of memory: the kernel's out-of-memory killer takes them before the
-# launcher, which then lives to say what happened.
-RANK_OOM_SCORE_ADJ = 300
 # What every rank imports, loaded once in the server the ranks fork from: the ranks' code and the parts
 # of transformers that every causal LM's module imports (transformers loads those lazily).
 RANK_PRELOAD = [
@@ -97,6 +85,20 @@ class Launched:
     """that machine (torch elastic's MASTER_ADDR)"""
 
 
+@dataclass(frozen=True)
+class _Job:
+    """One launch of the ranks on this machine: where they meet and what they run."""
+
+    config: RunConfig
+    task: Task
+    train_rows: list[dict]
+    eval_rows: list[dict]
+    endpoint: str
+    run_id: str
+    errors_dir: Path
+    log_dir: Path
+
+
 def launch(
     config: RunConfig, train_rows: list[dict], eval_rows: list[dict], task: Task | None = None
 ) -> Launched:
@@ -104,77 +106,171 @@ def launch(
     1) and returns what it left here. `task`: the task object when it was given in code
     (`llamarl.control.train`); by default the one `config.task` names.
 
-    Writes the resolved config to OUTPUT_DIR/config.toml first: `--config` reruns it.
+    Holds the output folder for the run (`llamarl.control.launch.output_dir`) and writes the resolved
+    config to OUTPUT_DIR/config.toml first: `--config` reruns it.
 
     Raises:
-        ConfigError: the ranks do not fit this machine's GPUs (one line, before any rank starts).
+        ConfigError: the ranks do not fit this machine's GPUs, or another run holds the output folder
+            (one line, before any rank starts).
         RunFailed: a rank failed, a machine was lost, or the machines never met (one line, or the
             first failed rank's traceback).
         RunInterrupted: Ctrl-C or SIGTERM stopped every rank (says where the last checkpoint is).
     """
     task = task if task is not None else load_task(config.task.name, config.task.module)
-    launch = config.launch
-    ranks_per_node = config.world_size // launch.nnodes
-    check_placement(config, ranks_per_node=ranks_per_node, cuda_devices=torch.cuda.device_count())
+    check_placement(
+        config,
+        ranks_per_node=config.world_size // config.launch.nnodes,
+        cuda_devices=torch.cuda.device_count(),
+    )
+    endpoint, run_id = _rendezvous(config)
     output_dir = config.output_dir
+    with hold_output_dir(output_dir, run_id):
+        write_resolved_config(config)
+        # Shared by every machine where OUTPUT_DIR is: never cleared here (another machine's rank may
+        # already have written into it); each rank removes its own stale record when it starts.
+        errors_dir = output_dir / ERRORS_DIR
+        errors_dir.mkdir(exist_ok=True)
+        # Each machine logs into a folder of its own, also where OUTPUT_DIR is shared.
+        log_dir = output_dir / "logs" / f"{socket.gethostname()}-{os.getpid()}"
+        config = _resume_only_from_a_checkpoint(config)
+        job = _Job(config, task, train_rows, eval_rows, endpoint, run_id, errors_dir, log_dir)
+        start = time.perf_counter()
+        try:
+            results, memory = _run_ranks(job)
+        finally:
+            if config.launch.nnodes == 1:  # (elsewhere other machines' ranks may still use theirs)
+                discard_unused_error_records(errors_dir)
+                with contextlib.suppress(OSError):  # a run that nothing went wrong in leaves no errors/
+                    errors_dir.rmdir()
+        return _finish(config, results, memory, wall_s=time.perf_counter() - start)
+
+
+def run_this_rank(
+    config: RunConfig, train_rows: list[dict], eval_rows: list[dict], task: Task | None = None
+) -> Launched | None:
+    """This process's rank, when `torchrun` (or srun of it) started it: the same body as the ranks
+    `launch` starts. Returns what `launch` returns on the first trainer rank, None on the others.
+    The first trainer rank holds the output folder for the run.
+
+    Raises:
+        ConfigError: torchrun started another number of ranks than the config has, they do not fit
+            this machine's GPUs, or another run holds the output folder.
+        RunFailed: this rank failed (one line; the traceback is in OUTPUT_DIR/errors/rank{r}.json).
+    """
+    world_size, local_world_size = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    if world_size != config.world_size:
+        raise ConfigError(
+            f"torchrun started {world_size} ranks; this config has {config.world_size} "
+            "(ranks.num_trainers + ranks.num_generators): give torchrun --nnodes x --nproc-per-node that many"
+        )
+    check_placement(config, ranks_per_node=local_world_size, cuda_devices=torch.cuda.device_count())
+    output_dir = config.output_dir
+    first = int(os.environ["RANK"]) == FIRST_TRAINER_RANK
     prepare_output_dir(output_dir)
-    _write_resolved_config(config)
-    # Shared by every machine where OUTPUT_DIR is: never cleared here (another machine's rank may
-    # already have written into it); each rank removes its own stale record when it starts.
-    errors_dir = output_dir / ERRORS_DIR
-    errors_dir.mkdir(exist_ok=True)
+    job = os.environ.get("TORCHELASTIC_RUN_ID", "torchrun")
+    with hold_output_dir(output_dir, job) if first else contextlib.nullcontext():
+        if first:
+            write_resolved_config(config)
+        errors_dir = output_dir / ERRORS_DIR
+        errors_dir.mkdir(exist_ok=True)
+        task = task if task is not None else load_task(config.task.name, config.task.module)
+        result = run_rank_process(config, task, train_rows, eval_rows, str(errors_dir), draw_report=True)
+    if result["summary"] is None:
+        return None
+    return Launched(result["summary"], output_dir / "summary.json", result["summary_host"])
+
+
+def under_torchrun() -> bool:
+    """Whether this process is a rank that `torchrun` started (not a launcher that starts ranks)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ and "LOCAL_RANK" in os.environ
+
+
+def _rendezvous(config: RunConfig) -> tuple[str, str]:
+    """(endpoint, run id) where this machine's ranks meet the others: on one machine a free local port
+    and a fresh id; on several, the ones every machine is given (the c10d rendezvous key is built from
+    the run id: every machine must give the same one)."""
+    launch = config.launch
     if launch.nnodes == 1 and launch.rdzv_endpoint is None:
-        endpoint, run_id = f"127.0.0.1:{free_port('127.0.0.1')}", f"llamarl-{uuid.uuid4().hex[:8]}"
-    else:
-        # The c10d rendezvous key is built from the run id: every machine must give the same one.
-        endpoint, run_id = launch.rdzv_endpoint or "", launch.run_id
-    # Each machine logs into a folder of its own, also where OUTPUT_DIR is shared.
-    log_dir = output_dir / "logs" / f"{socket.gethostname()}-{os.getpid()}"
-    launch_config = LaunchConfig(
+        return f"127.0.0.1:{free_port('127.0.0.1')}", f"llamarl-{uuid.uuid4().hex[:8]}"
+    return launch.rdzv_endpoint or "", launch.run_id
+
+
+def _resume_only_from_a_checkpoint(config: RunConfig) -> RunConfig:
+    """`--resume` where the folder has no checkpoint to resume from: says so in one line, before any
+    rank starts, and starts fresh. (On several machines, whose folders may differ, the first trainer
+    rank says it.)"""
+    if not config.checkpoint.resume or config.launch.nnodes > 1:
+        return config
+    from llamarl.control.run.checkpoint import CHECKPOINTS_DIR, find_latest
+
+    root = config.output_dir / CHECKPOINTS_DIR
+    if find_latest(root) is not None:
+        return config
+    print(f"--resume: no complete checkpoint in {root}: starting fresh", file=sys.stderr, flush=True)
+    return replace_in(config, **{"checkpoint.resume": False})
+
+
+def _launch_config(job: _Job) -> LaunchConfig:
+    """Torch elastic's settings for `job` on this machine."""
+    launch = job.config.launch
+    return LaunchConfig(
         min_nodes=launch.nnodes,
         max_nodes=launch.nnodes,
-        nproc_per_node=ranks_per_node,
-        run_id=run_id,
+        nproc_per_node=job.config.world_size // launch.nnodes,
+        run_id=job.run_id,
         rdzv_backend="c10d",
-        rdzv_endpoint=endpoint,
+        rdzv_endpoint=job.endpoint,
         rdzv_configs={"join_timeout": launch.timeout_s},
         max_restarts=launch.max_restarts,  # restarted ranks resume from the latest checkpoint
         monitor_interval=0.2,
         start_method="forkserver",
-        logs_specs=DefaultLogsSpecs(log_dir=str(log_dir)),
+        logs_specs=DefaultLogsSpecs(log_dir=str(job.log_dir)),
         shutdown_timeout=SHUTDOWN_TIMEOUT_S,
     )
+
+
+def _run_ranks(job: _Job) -> tuple[dict[int, Any], ProcessTreeMemory]:
+    """Starts this machine's ranks through torch elastic and waits for them: their results by global
+    rank, and the memory of every process of the run as the launcher saw it. A failure or an interrupt
+    is raised as one `RunFailed` or `RunInterrupted`."""
     # A rank that dies without cleaning up (killed, or failed: it exits at once) leaves a semaphore of
     # its progress bar registered with the launcher's multiprocessing resource tracker, which would warn
     # about it in two lines of noise after the one that says what happened: the tracker (started with
     # this process's warning options) is told to keep quiet about it.
     sys.warnoptions.append("ignore:resource_tracker:UserWarning")
-    # torch elastic logs every child failure at ERROR with its traceback; we show it once ourselves.
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-    logging.getLogger("torch.multiprocessing").setLevel(logging.ERROR)  # "Terminating process ..." notes
-    start = time.perf_counter()
-    started_at = time.time()
+    _quiet_torch_elastic()
+    started_at, baseline = time.time(), OomBaseline.now()
+    memory = ProcessTreeMemory("launcher", at_once=True)
     try:
         with (
             _ranks_log_cpp_errors_only(),
             _ranks_keep_freed_memory(),
             _rank_fork_server(),
             _fresh_store_per_formation(),
-            MemoryWatch() as memory,
+            memory,
         ):
-            results = elastic_launch(launch_config, _rank_main)(
-                config, task, train_rows, eval_rows, str(errors_dir)
+            results = elastic_launch(_launch_config(job), rank_main)(
+                job.config, job.task, job.train_rows, job.eval_rows, str(job.errors_dir)
             )
     except SignalException as e:  # Ctrl-C or SIGTERM: torch elastic stopped every rank
-        raise _interrupted(output_dir, int(e.sigval)) from None
+        raise _interrupted(job.config.output_dir, int(e.sigval)) from None
     except KeyboardInterrupt:  # before torch elastic took over the signals
-        raise _interrupted(output_dir, signal.SIGINT) from None
+        raise _interrupted(job.config.output_dir, signal.SIGINT) from None
     except ChildFailedError as e:
-        raise _first_failure(errors_dir, e, memory, output_dir, config, since=started_at) from None
+        failure = _first_failure(job.errors_dir, e, job.config, memory, baseline, since=started_at)
+        raise failure from None
     except RendezvousError as e:
-        raise RunFailed(
-            _rendezvous_failure(config, endpoint, e, formed=_ranks_started(log_dir)), rank=None
-        ) from None
+        formed = _ranks_started(job.log_dir)
+        raise RunFailed(_rendezvous_failure(job.config, job.endpoint, e, formed=formed), rank=None) from None
+    return results, memory
+
+
+def _finish(
+    config: RunConfig, results: dict[int, Any], memory: ProcessTreeMemory, *, wall_s: float
+) -> Launched:
+    """What the job left here; on the machine of the first trainer rank, its summary completed with
+    what only the launcher knows (the whole command's wall time, its own memory), and the report."""
+    output_dir = config.output_dir
     summary_path = output_dir / "summary.json"
     # elastic_launch returns this machine's ranks only, by global rank; each says where the summary is.
     summary_host = next(iter(results.values()))["summary_host"]
@@ -183,8 +279,9 @@ def launch(
     summary = results[FIRST_TRAINER_RANK]["summary"]
     # The ranks measured their own run; the whole command also pays for process start and model loads,
     # and this process (the launcher) holds memory too.
+    assert memory.at_once is not None
     added = {
-        "wall_s": time.perf_counter() - start,
+        "wall_s": wall_s,
         **memory_summary([*summary["memory_per_process"], own_peak("launcher")], memory.at_once.peak_mb),
     }
     summary.update(added)
@@ -197,48 +294,15 @@ def launch(
     return Launched(summary=summary, summary_path=summary_path, summary_host=summary_host)
 
 
-def run_this_rank(
-    config: RunConfig, train_rows: list[dict], eval_rows: list[dict], task: Task | None = None
-) -> Launched | None:
-    """This process's rank, when `torchrun` (or srun of it) started it: the same body as the ranks
-    `launch` starts. Returns what `launch` returns on the first trainer rank, None on the others.
-
-    Raises:
-        ConfigError: torchrun started another number of ranks than the config has, or they do not fit
-            this machine's GPUs.
-        RunFailed: this rank failed (one line; the traceback is in OUTPUT_DIR/errors/rank{r}.json).
-    """
-    world_size, local_world_size = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
-    if world_size != config.world_size:
-        raise ConfigError(
-            f"torchrun started {world_size} ranks; this config has {config.world_size} "
-            "(ranks.num_trainers + ranks.num_generators): give torchrun --nnodes x --nproc-per-node that many"
-        )
-    check_placement(config, ranks_per_node=local_world_size, cuda_devices=torch.cuda.device_count())
-    output_dir = config.output_dir
-    prepare_output_dir(output_dir)
-    if int(os.environ["RANK"]) == FIRST_TRAINER_RANK:
-        _write_resolved_config(config)
-    errors_dir = output_dir / ERRORS_DIR
-    errors_dir.mkdir(exist_ok=True)
-    task = task if task is not None else load_task(config.task.name, config.task.module)
-    result = _run_rank(config, task, train_rows, eval_rows, str(errors_dir), draw_report=True)
-    if result["summary"] is None:
-        return None
-    return Launched(result["summary"], output_dir / "summary.json", result["summary_host"])
-
-
-def under_torchrun() -> bool:
-    """Whether this process is a rank that `torchrun` started (not a launcher that starts ranks)."""
-    return "TORCHELASTIC_RUN_ID" in os.environ and "LOCAL_RANK" in os.environ
-
-
-def _write_resolved_config(config: RunConfig) -> None:
-    """OUTPUT_DIR/config.toml, replaced atomically: every machine writes it, maybe into one folder."""
-    path = config.output_dir / RESOLVED_CONFIG
-    partial = path.with_name(f".{path.name}.{socket.gethostname()}-{os.getpid()}")
-    write_config(config, partial)
-    os.replace(partial, path)
+def _quiet_torch_elastic() -> None:
+    """Torch elastic logs every child failure at ERROR with its traceback, and a warning on every signal
+    ("Received 15 death signal, shutting down workers"): the launcher says what happened once, itself.
+    Some of its modules set their logger's own level (WARNING), so each is quietened, not only the
+    parent."""
+    for name in [*logging.root.manager.loggerDict, "torch.distributed.elastic"]:
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+    logging.getLogger("torch.multiprocessing").setLevel(logging.ERROR)  # "Terminating process ..." notes
 
 
 @contextlib.contextmanager
@@ -246,9 +310,16 @@ def _rank_fork_server() -> Iterator[None]:
     """Ranks fork from one server process that imported their code once (`RANK_PRELOAD`), instead of
     each importing torch, transformers and llamarl afresh: about 5 CPU seconds saved per rank, and per
     rank that torch elastic restarts. The server stops with the job, so that the ranks of a next job
-    launched from the same process inherit the environment of that launch, not of this one."""
-    multiprocessing.set_forkserver_preload(RANK_PRELOAD)
+    launched from the same process inherit the environment of that launch, not of this one.
+
+    The server and every process below it die with this process, however it dies
+    (`llamarl.control.launch.lifeline`, imported first). It is started here, by the thread that waits
+    for the whole job, since the kernel's parent-death signal comes when the thread that started a
+    process exits (torch elastic may start ranks from short-lived threads: TORCH_MP_PARALLEL_START)."""
+    multiprocessing.set_forkserver_preload([lifeline.__name__, *RANK_PRELOAD])
     try:
+        with _environ(lifeline.SERVER_PARENT_ENV, str(os.getpid())):
+            multiprocessing.forkserver.ensure_running()
         yield
     finally:
         multiprocessing.forkserver._forkserver._stop()  # CPython's one way to stop it
@@ -335,161 +406,18 @@ def _rendezvous_failure(config: RunConfig, endpoint: str, error: RendezvousError
     )
 
 
-def _rank_main(
-    config: RunConfig, task: Task, train_rows: list[dict], eval_rows: list[dict], errors_dir: str
-) -> dict[str, Any]:
-    """The body of every rank `launch` starts. On error it records its traceback and exits non-zero
-    without printing (the launcher prints the first failure once); SIGINT and SIGTERM stop it (its side
-    closes its engines and workers) the same way, with exit code 128 + the signal."""
-    try:
-        # The launcher draws the report once the ranks are gone (with its own memory in it), so the
-        # first trainer rank does not draw one too before it exits.
-        result = _run_rank(config, task, train_rows, eval_rows, errors_dir, draw_report=False)
-        atexit.register(_exit_without_finalizing)  # runs first, once torch elastic has the result
-        return result
-    except Interrupted as e:
-        os._exit(128 + e.signum)
-    except BaseException:
-        os._exit(1)
-
-
-def _exit_without_finalizing() -> None:
-    """Ends a rank whose run is over and whose result torch elastic has read (it waits for that before
-    the rank's process may exit). What Python's own exit would add is seconds of collecting every object
-    of a process that held a model and the dataset's rows (the launcher waits for it), and libraries'
-    reports of objects left alive at exit: nothing of the run. Everything the rank opened is closed."""
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    os._exit(0)
-
-
-def _run_rank(
-    config: RunConfig,
-    task: Task,
-    train_rows: list[dict],
-    eval_rows: list[dict],
-    errors_dir: str,
-    *,
-    draw_report: bool,
-) -> dict[str, Any]:
-    """One rank, start to end: {"summary": the summary on the first trainer rank (else None),
-    "summary_host": the machine that has it}; the first trainer rank draws report.png if
-    `draw_report`. A failure is recorded in `errors_dir`, then raised as `RunFailed`."""
-    rank = int(os.environ.get("RANK", -1))
-    record_path = Path(errors_dir, f"rank{rank}.json")
-    nodes = NodeWatch()
-    try:
-        raise_on_interrupt()
-        reserve_error_record(record_path)  # also replaces a previous run's record
-        _prefer_for_oom_kill()
-        # Before any CUDA work: this rank's GPU becomes the current device (FSDP2 shards land there).
-        pin_rank(this_rank_placement(config))
-        torch.set_num_threads(rank_threads(config))
-        _quiet_libraries()
-        _init_default_group(config.launch.timeout_s)
-        nodes.start()
-        register_task(task)  # a task given in code is known by its name here too
-        if _restarted():
-            # torch elastic restarted the ranks after a failure: continue from the latest checkpoint.
-            config = replace_in(config, **{"checkpoint.resume": True})
-        from llamarl.control.launch.spmd import (
-            run_rank,  # the ranks' code: not imported by the launcher itself
-        )
-
-        # closes its side, also on failure
-        summary = run_rank(config, train_rows, eval_rows, draw_report=draw_report)
-        nodes.stop()
-        dist.destroy_process_group()
-        return {"summary": summary, "summary_host": os.environ.get("MASTER_ADDR", socket.gethostname())}
-    except BaseException as e:
-        # A rank failing because a machine went away names that machine (its heartbeat stood still).
-        lost = nodes_as_records(nodes.lost_nodes()) if dist.is_initialized() else []
-        nodes.stop()
-        record = {**error_record(rank, e, traceback.format_exc()), "lost_nodes": lost}
-        failed_at = record["time"]
-        write_error_record(record_path, record)
-        if isinstance(e, Interrupted):
-            raise
-        # Torch elastic reports only the first exit it sees. A rank failing because a peer was killed
-        # (closed connection) must not exit before the launcher has seen that peer's death, or the
-        # run would be blamed on the wrong rank; a short grace period orders the two exits.
-        time.sleep(max(0.0, failed_at + EXIT_GRACE_S - time.time()))
-        message = describe_lost(lost) if lost else f"rank {rank} failed: {record['error']}"
-        restarts_left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) - int(
-            os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        )
-        if lost and restarts_left > 0:
-            # Nothing else tells the user why the job stalls: it waits for the machine to come back.
-            print(
-                f"rank {rank}: {message}; the job restarts when every machine is back "
-                f"(within launch.timeout_s; {restarts_left} restarts left)",
-                file=sys.stderr,
-                flush=True,
-            )
-        raise RunFailed(message, rank=rank) from None
-
-
-def _prefer_for_oom_kill() -> None:
-    with contextlib.suppress(OSError):  # not Linux, or not allowed: the kernel picks as it would anyway
-        Path("/proc/self/oom_score_adj").write_text(str(RANK_OOM_SCORE_ADJ))
-
-
-def _restarted() -> bool:
-    """Whether this formation of the ranks follows a failure: any rank was restarted by its machine's
-    agent. Asked of every rank, since a machine that came back after a loss counts its attempts from 0."""
-    count = torch.tensor([int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))])
-    dist.all_reduce(count, op=dist.ReduceOp.MAX)
-    return int(count) > 0
-
-
-def _init_default_group(timeout_s: float) -> None:
-    """The default (gloo) process group: rollouts and small control messages, all CPU tensors.
-
-    `launch` has torch elastic make a fresh store for every formation of the ranks (plain env:// init).
-    Under torchrun the ranks reach the agent's store, which outlives a restart; with plain env:// init
-    a restarted rank could read the gloo address a killed rank of the previous attempt left there and
-    time out connecting to it (seen here: restarted ranks that never met). Prefixing the keys with the
-    attempt number keeps every attempt to its own (a machine that comes back after a loss counts from
-    0 again: run torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 where machines may come back).
-    """
-    timeout = timedelta(seconds=timeout_s)
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
-        dist.init_process_group("gloo", timeout=timeout)
-        return
-    agent_store = dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
-    )
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    dist.init_process_group(
-        "gloo",
-        store=dist.PrefixStore(f"llamarl/attempt{attempt}/", agent_store),
-        rank=int(os.environ["RANK"]),
-        world_size=int(os.environ["WORLD_SIZE"]),
-        timeout=timeout,
-    )
-
-
-def _quiet_libraries() -> None:
-    """Per-rank progress bars of model loading would interleave with the run's own progress bar."""
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
-
-
 def _first_failure(
     errors_dir: Path,
     error: ChildFailedError,
-    memory: MemoryWatch | None,
-    output_dir: Path,
-    config: RunConfig | None = None,
+    config: RunConfig,
+    memory: ProcessTreeMemory,
+    baseline: OomBaseline,
     *,
-    since: float = 0.0,
+    since: float,
 ) -> RunFailed | RunInterrupted:
-    """The failure that started it: a rank killed by a signal, a machine lost, else the earliest recorded
-    error (records older than `since`, the launch, are another run's).
+    """The failure that started it: a rank killed by a signal (named by the one rank -> role rule, with
+    what `memory` saw of it and whether the out-of-memory killer struck since `baseline`), a machine
+    lost, else the earliest recorded error (records older than `since`, the launch, are another run's).
 
     Later errors are usually peers noticing the first one (a closed connection), and ranks that
     torch elastic stopped (SIGTERM) after it, so they are not shown. Only when every failed rank was
@@ -499,8 +427,9 @@ def _first_failure(
     # A rank that died without raising (killed, out of memory, segfault) recorded nothing.
     for rank, failure in sorted(error.failures.items()):
         if rank not in records and failure.exitcode < 0 and failure.signal_name() != "SIGTERM":
-            role = None if config is None else config.role_of(rank)
-            line = describe_killed(rank, failure.pid, failure.signal_name(), memory, role=role)
+            line = describe_killed(
+                rank, failure.pid, failure.signal_name(), memory, role=config.role_of(rank), baseline=baseline
+            )
             return RunFailed(line, rank=rank)
     failed = [r for r in records.values() if not r.get("interrupted")]
     if failed:
@@ -510,7 +439,7 @@ def _first_failure(
         return RunFailed(describe_record(first, errors_dir), rank=first["rank"])
     if records:  # SIGINT or SIGTERM sent to the ranks themselves
         first = min(records.values(), key=lambda r: r["time"])
-        return _interrupted(output_dir, signal.Signals[first["error"].split(": ", 1)[1]])
+        return _interrupted(config.output_dir, signal.Signals[first["error"].split(": ", 1)[1]])
     rank, failure = error.get_first_failure()
     return RunFailed(f"rank {rank} exited with code {failure.exitcode}", rank=rank)
 

@@ -9,12 +9,20 @@ into the same panels.
 from __future__ import annotations
 
 import json
+import textwrap
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llamarl.control.outputs.timeline import read_chrome_trace
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+FIGURE_SIZE = (14, 9.5)  # inches
+# The title's characters per line: the width of the picture at the title's font size, with a margin.
+TITLE_WIDTH_CHARS = 150
 
 PHASE_COLORS = {
     "generate": "tab:blue",
@@ -159,12 +167,24 @@ def plot_phases(ax, runs: list[RunRecord]) -> None:
 
 def draw(runs: list[RunRecord], path: Path, title: str) -> None:
     """Draws the four panels for one or more runs (overlaid) into `path`."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(runs, title)
+    tmp = path.with_name(path.name + ".tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    tmp.replace(path)
+
+
+def figure(runs: list[RunRecord], title: str) -> Figure:
+    """The four panels for one or more runs (overlaid), under `title` (lines wider than the picture are
+    wrapped to fit it)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display on ranks or CI
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(14, 9.5))
+    fig, axes = plt.subplots(2, 2, figsize=FIGURE_SIZE)
     colors = [f"C{i}" for i in range(len(runs))]
     for run, color in zip(runs, colors, strict=True):
         plot_rewards(axes[0][0], run, color)
@@ -174,12 +194,9 @@ def draw(runs: list[RunRecord], path: Path, title: str) -> None:
         if ax.has_data():
             ax.legend(fontsize="small")
     plot_phases(axes[1][1], runs)
-    fig.suptitle(title)
-    fig.tight_layout()
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    tmp.replace(path)
+    fig.suptitle("\n".join(wrapped for line in title.splitlines() for wrapped in _wrap(line, TITLE_WIDTH_CHARS)))
+    fig.tight_layout()  # (makes room above the panels for every line of the title)
+    return fig
 
 
 def write_report(output_dir: Path) -> Path:
@@ -200,16 +217,45 @@ def write_report(output_dir: Path) -> Path:
 
 
 def memory_line(summary: dict[str, Any]) -> str:
-    """ "peak memory 11.0 GB (9.1 GB at once): rank 0 trainer 5.8, rank 1 generator vllm engine 3.4, ..."
-    from a summary: the sum of per-process peaks, the largest PSS of all at once where sampled, each
-    process's peak."""
+    """ "peak memory 11.0 GB (9.1 GB at once): rank 0 trainer 5.8, rank 1 generator 2.1, rank 1 generator
+    reward worker x4 0.4, launcher 0.6, 23 helper processes 1.1" from a summary: the sum of per-process
+    peaks, the largest PSS of all at once where sampled, and the peaks of the ranks, their engines and
+    workers (those of one name together); the helpers (an engine's, the resource tracker, the compilers
+    a trainer runs) summed in one figure."""
     processes = summary.get("memory_per_process") or []
     if not processes:
         return ""
-    parts = [f"{p['process']} {p['peak_rss_mb'] / 1024:.1f}" for p in processes]
+    named: dict[str, list[float]] = {}
+    helpers = []
+    for p in processes:
+        if p.get("kind") == "helper":
+            helpers.append(p["peak_rss_mb"])
+        else:
+            named.setdefault(p["process"], []).append(p["peak_rss_mb"])
+    parts = [
+        f"{label} {sum(peaks) / 1024:.1f}" if len(peaks) == 1 else f"{label} x{len(peaks)} {sum(peaks) / 1024:.1f}"
+        for label, peaks in named.items()
+    ]
+    if helpers:
+        parts.append(f"{len(helpers)} helper process{'es' if len(helpers) > 1 else ''} {sum(helpers) / 1024:.1f}")
     at_once = summary.get("peak_pss_mb_total")
     at_once = "" if at_once is None else f" ({at_once / 1024:.1f} GB at once)"
     return f"peak memory {summary['peak_rss_mb_total'] / 1024:.1f} GB{at_once}: " + ", ".join(parts)
+
+
+def _wrap(line: str, width: int) -> list[str]:
+    """`line` in lines of at most `width` characters, broken after its commas where it can (the items of
+    a list stay whole)."""
+    lines: list[str] = []
+    current = ""
+    for item in line.split(", "):
+        if current and len(current) + 2 + len(item) > width:
+            lines.append(current + ",")
+            current = item
+        else:
+            current = f"{current}, {item}" if current else item
+    lines.append(current)
+    return [short for long in lines for short in textwrap.wrap(long, width)]
 
 
 def _fmt(value: float | None) -> str:

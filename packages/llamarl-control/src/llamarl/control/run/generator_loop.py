@@ -262,7 +262,7 @@ class GeneratorLoop:
                 if not self.replace_engines:
                     raise
                 print(f"generator: weight sync failed ({e}); asking for the weights again", file=sys.stderr)
-                self.generator.policy_version = None
+                self.generator.mark_weights_lost()
                 control.want_weights()
                 return
 
@@ -277,7 +277,7 @@ class GeneratorLoop:
         self.totals["engine_restarts_total"] += 1
         announced = control.announced()
         if announced == 0:
-            self.generator.policy_version = 0  # no weights were ever sent: the checkpoint is current
+            self.generator.serve_initial_weights()  # no weights were ever sent: the checkpoint is current
             return
         # The new engine joins the latest announced sync: the trainer may be waiting in it for this
         # rank right now. If that sync is over, the engine's receive waits for the next one, which

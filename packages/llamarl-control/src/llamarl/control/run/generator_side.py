@@ -15,12 +15,13 @@ from typing import TextIO
 import torch
 import torch.distributed as dist
 
+from llamarl.comm import WeightSyncEndpoint
 from llamarl.control.config import RunConfig
 from llamarl.control.launch.devices import generation_dtype
 from llamarl.control.run import checkpoint as ckpt
 from llamarl.control.run.channels.rollouts import PendingBatch, send_rollouts
 from llamarl.control.run.channels.stream import RolloutOutbox, StreamControl
-from llamarl.control.run.channels.weights import FIRST_TRAINER_RANK, WeightChannelAddress, connect_generator
+from llamarl.control.run.channels.weights import FIRST_TRAINER_RANK
 from llamarl.control.run.generator_loop import GeneratorLoop
 from llamarl.control.run.generator_stream import GeneratorStream
 from llamarl.control.run.rank_states import GeneratorRankState
@@ -125,11 +126,11 @@ class GeneratorSide(Side):
             cfg.model, cfg.sampling, device=str(self.device), dtype=dtype, lora=cfg.trainer.lora, seed=seed
         )
 
-    def open_channels(self, address: WeightChannelAddress) -> None:
+    def open_channels(self, endpoint: WeightSyncEndpoint | None) -> None:
         cfg = self.config
-        connect_generator(
-            self.generator, address, timeout_s=cfg.sync_deadline_s, dead_after_s=cfg.weight_sync.dead_after_s
-        )
+        assert endpoint is not None  # a generator rank is a member of the weight channel
+        # The generator (or its engine) receives straight from the trainer ranks from now on.
+        self.generator.connect_weight_sync(endpoint)
         samples_path = self.output_dir / f"samples.rank{self.rank}.jsonl"
         if self.resumed is not None:  # lines written after the checkpoint are made again, so cut them
             ckpt.truncate(samples_path, GeneratorRankState.from_dict(self.resumed.rank_state).samples_bytes)

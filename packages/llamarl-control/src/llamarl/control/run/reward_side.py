@@ -25,6 +25,7 @@ from typing import TextIO
 import torch
 import torch.distributed as dist
 
+from llamarl.comm import WeightSyncEndpoint
 from llamarl.control.config import RunConfig
 from llamarl.control.run import checkpoint as ckpt
 from llamarl.control.run.channels.rollouts import (
@@ -34,7 +35,7 @@ from llamarl.control.run.channels.rollouts import (
     send_rollouts,
 )
 from llamarl.control.run.channels.stream import PauseServer, StreamControl
-from llamarl.control.run.channels.weights import FIRST_TRAINER_RANK, WeightChannelAddress
+from llamarl.control.run.channels.weights import FIRST_TRAINER_RANK
 from llamarl.control.run.rank_states import RewardRankState
 from llamarl.control.run.reward_scoring import add_model_rewards
 from llamarl.control.run.schedule import Tick
@@ -77,7 +78,7 @@ class RewardSide(Side):
         self.scorer.setup()
         self.source = TaskPrompts(self.task, self.train_examples, self.tokenizer)
 
-    def open_channels(self, address: WeightChannelAddress) -> None:
+    def open_channels(self, endpoint: WeightSyncEndpoint | None) -> None:
         # No weight channel: the reward model's weights never come from the trainer.
         path = self.output_dir / f"reward_scores.rank{self.rank}.jsonl"
         self.output_dir.mkdir(parents=True, exist_ok=True)

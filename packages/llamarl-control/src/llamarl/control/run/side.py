@@ -36,6 +36,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from llamarl.comm import WeightSyncEndpoint
 from llamarl.control.config import RunConfig
 from llamarl.control.launch.devices import group_backend, rank_device, weight_sync_backend
 from llamarl.control.launch.memory import ProcessTreeMemory
@@ -43,11 +44,7 @@ from llamarl.control.launch.threads import borrowed_cores
 from llamarl.control.outputs.timeline import Timeline, write_chrome_trace
 from llamarl.control.run import checkpoint as ckpt
 from llamarl.control.run.channels.stream import Pause
-from llamarl.control.run.channels.weights import (
-    FIRST_TRAINER_RANK,
-    WeightChannelAddress,
-    weight_channel_address,
-)
+from llamarl.control.run.channels.weights import FIRST_TRAINER_RANK, weight_sync_endpoint
 from llamarl.control.run.evaluation import EvalProgress, EvalResult
 from llamarl.control.run.faults import FaultInjector
 from llamarl.control.run.schedule import PausePlan, Phase, SideName, Tick, lockstep_ticks
@@ -69,9 +66,9 @@ class SideHooks:
         """Builds and sets up this rank's executors (load the model, start an engine, ...)."""
         raise NotImplementedError
 
-    def open_channels(self, address: WeightChannelAddress) -> None:
-        """Joins the weight channel at `address`; opens this side's outputs (truncated to the resumed
-        checkpoint's lengths when resuming)."""
+    def open_channels(self, endpoint: WeightSyncEndpoint | None) -> None:
+        """Joins the weight channel as `endpoint` says (None on a reward rank, which never joins); opens
+        this side's outputs (truncated to the resumed checkpoint's lengths when resuming)."""
         raise NotImplementedError
 
     def restore(self, resume: ckpt.Resume) -> None:
@@ -215,8 +212,12 @@ class Side(SideHooks):
         self.build_executors()
         # Reward ranks take part in choosing the address but never join the weight channel: a reward
         # model's weights are its own.
-        address = weight_channel_address(
-            self.rank, len(self.trainer_ranks) + len(self.generator_ranks), weight_sync_backend(cfg)
+        endpoint = weight_sync_endpoint(
+            self.rank,
+            len(self.trainer_ranks) + len(self.generator_ranks),
+            backend=weight_sync_backend(cfg),
+            timeout_s=cfg.sync_deadline_s,
+            dead_after_s=cfg.weight_sync.dead_after_s,
         )
         if cfg.checkpoint.every or cfg.checkpoint.resume:
             self.checkpoints = ckpt.RunCheckpoints(
@@ -228,7 +229,7 @@ class Side(SideHooks):
             )
             if cfg.checkpoint.resume:
                 self.resumed = self.checkpoints.resume(log=lambda m: print(m, flush=True))
-        self.open_channels(address)
+        self.open_channels(endpoint)
         if self.resumed is not None:
             self.start_tick = self.resumed.tick  # stream mode: the step (= policy_version)
             self.restore(self.resumed)

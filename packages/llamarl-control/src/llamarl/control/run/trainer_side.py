@@ -17,7 +17,7 @@ from typing import Any, TextIO
 
 import torch
 
-from llamarl.comm import WeightSender, WeightSyncGroup
+from llamarl.comm import WeightSender, WeightSyncEndpoint, WeightSyncGroup
 from llamarl.control.config import RunConfig
 from llamarl.control.launch.devices import generation_dtype, trainer_compute_dtype, weight_wire_dtype
 from llamarl.control.outputs.metrics import MetricsLogger
@@ -27,7 +27,7 @@ from llamarl.control.run import checkpoint as ckpt
 from llamarl.control.run.channels.buffer import RolloutBuffer
 from llamarl.control.run.channels.rollouts import concat_rollouts, recv_rollouts, send_rollouts
 from llamarl.control.run.channels.stream import PauseServer, StreamControl
-from llamarl.control.run.channels.weights import FIRST_TRAINER_RANK, WeightChannelAddress, open_sender
+from llamarl.control.run.channels.weights import FIRST_TRAINER_RANK, open_sender
 from llamarl.control.run.evaluation import EvalResult
 from llamarl.control.run.rank_states import TrainerRankState, TrainerRunState
 from llamarl.control.run.schedule import Tick
@@ -82,13 +82,12 @@ class TrainerSide(Side):
         )
         self.trainer.setup()
 
-    def open_channels(self, address: WeightChannelAddress) -> None:
+    def open_channels(self, endpoint: WeightSyncEndpoint | None) -> None:
         cfg = self.config
+        assert endpoint is not None  # a trainer rank is a member of the weight channel
         self.weight_group, self.sender = open_sender(
             self.trainer.sync_tensors(),  # the model, or only its LoRA adapters
-            address,
-            timeout_s=cfg.sync_deadline_s,
-            dead_after_s=cfg.weight_sync.dead_after_s,
+            endpoint,
             bucket_mb=cfg.weight_sync.bucket_mb,
             wire_dtype=weight_wire_dtype(generation_dtype(cfg.generator.precision, self.device)),
         )

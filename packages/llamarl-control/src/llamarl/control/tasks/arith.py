@@ -15,7 +15,7 @@ import random
 
 from llamarl.control.tasks.gsm8k import gsm8k_row
 from llamarl.control.tasks.task import Task
-from llamarl.exec.reward.functions import gsm8k_answer
+from llamarl.exec.reward.functions import gsm8k_answer, gsm8k_correct
 
 PHRASINGS = (
     "What is {a} + {b}?",
@@ -49,4 +49,5 @@ ARITH = Task(
     fields=("question",),
     prepare=gsm8k_row,
     rewards=[gsm8k_answer],  # the final number, as for GSM8K
+    correct=gsm8k_correct,
 )

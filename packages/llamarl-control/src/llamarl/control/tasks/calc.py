@@ -11,7 +11,7 @@ import random
 
 from llamarl.control.tasks.task import Task
 from llamarl.exec.multiturn.tools import Calculator
-from llamarl.exec.reward.functions import gsm8k_answer
+from llamarl.exec.reward.functions import gsm8k_answer, gsm8k_correct
 
 PHRASINGS = ("What is {a} {op} {b}?", "Compute {a} {op} {b}.", "How much is {a} {op} {b}?")
 SPLIT_SEED = 4321  # fixed: the split must not move with the run's seed
@@ -37,5 +37,6 @@ CALC = Task(
     prompt="{question}\nYou may use the calculator. Then give the final number on its own line as "
     "'#### <number>'.",
     rewards=[gsm8k_answer],
+    correct=gsm8k_correct,  # the final number of the last turn
     tools=[Calculator()],
 )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from llamarl.control.tasks.task import DataError, Hub, Task
-from llamarl.exec.reward.functions import gsm8k_answer
+from llamarl.exec.reward.functions import gsm8k_answer, gsm8k_correct
 
 
 def gsm8k_row(row: dict) -> dict | None:
@@ -21,4 +21,5 @@ GSM8K = Task(
     fields=("question",),
     prepare=gsm8k_row,
     rewards=[gsm8k_answer],
+    correct=gsm8k_correct,
 )

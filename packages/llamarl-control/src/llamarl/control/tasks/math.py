@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from llamarl.control.tasks.task import DataError, Hub, Task
-from llamarl.exec.reward.functions import last_boxed, math_answer
+from llamarl.exec.reward.functions import last_boxed, math_answer, math_correct
 
 
 def _math_row(row: dict) -> dict | None:
@@ -26,4 +26,5 @@ MATH = Task(
     fields=("problem",),
     prepare=_math_row,
     rewards=[math_answer],
+    correct=math_correct,
 )

@@ -59,6 +59,11 @@ def reasoning_gym_score(prompt: list[dict], completion: str, row: dict) -> float
     return float(score(answer=answer, entry=row))
 
 
+def reasoning_gym_correct(prompt: list[dict], completion: str, row: dict) -> bool:
+    """Right when reasoning-gym's verifier gives the answer full marks (some give partial credit)."""
+    return reasoning_gym_score(prompt, completion, row) == 1.0
+
+
 def reasoning_gym_task(
     dataset: str,
     *,
@@ -82,6 +87,7 @@ def reasoning_gym_task(
         rows=ReasoningGymRows(dataset, train_size, test_size, seed, dict(config)),
         prompt=reasoning_gym_prompt,
         rewards=[reasoning_gym_score],
+        correct=reasoning_gym_correct,
         fields=("question", "answer"),
         tools=tools,
     )

@@ -18,7 +18,15 @@ from llamarl.control.tasks.math import MATH
 from llamarl.control.tasks.retry import RETRY
 from llamarl.control.tasks.task import Task, TaskError
 
-__all__ = ["REASONING_GYM_PREFIX", "TASKS", "load_task", "register_task", "task_by_name", "task_from_module"]
+__all__ = [
+    "REASONING_GYM_PREFIX",
+    "TASKS",
+    "load_task",
+    "register_task",
+    "task_by_name",
+    "task_from_module",
+    "task_origin",
+]
 
 REASONING_GYM_PREFIX = "reasoning_gym:"
 
@@ -26,12 +34,42 @@ TASKS = {task.name: task for task in (GSM8K, MATH, ARITH, CALC, RETRY)}
 """The built-in tasks by name."""
 
 _REGISTERED: dict[str, Task] = {}  # tasks given as objects (llamarl.control.train), by name, per process
+_ORIGINS: dict[str, str] = {}  # of those, where each can be imported again: `task.module`'s form
 
 
 def register_task(task: Task) -> None:
-    """Makes `task` known by its name in this process (a task given as an object, not by module)."""
+    """Makes `task` known by its name in this process (a task given as an object, not by module), and
+    remembers where it can be imported from again, if a module holds it (`task_origin`)."""
     task.check()
     _REGISTERED[task.name] = task
+    origin = _module_holding(task)
+    if origin is None:
+        _ORIGINS.pop(task.name, None)
+    else:
+        _ORIGINS[task.name] = origin
+
+
+def task_origin(name: str) -> str | None:
+    """Where the task given in code as `name` can be imported from again (`path/to/file.py:NAME` for a
+    script's task, `package.module:NAME` otherwise), for a run's config.toml to rerun it; None when no
+    module holds it (it was built inside a function) or it was not given in code."""
+    return _ORIGINS.get(name)
+
+
+def _module_holding(task: Task) -> str | None:
+    """`task.module`'s spec of the module-level name that holds `task` itself, if any: the script run
+    as __main__ first (by its file), then any other module."""
+    for module_name, module in list(sys.modules.items()):
+        names = [k for k, v in list(vars(module).items()) if v is task and not k.startswith("_")]
+        if not names:
+            continue
+        if module_name == "__main__":
+            file = getattr(module, "__file__", None)
+            if file:
+                return f"{Path(file).resolve()}:{names[0]}"
+            continue
+        return f"{module_name}:{names[0]}"
+    return None
 
 
 def task_by_name(name: str) -> Task:
@@ -47,13 +85,17 @@ def task_by_name(name: str) -> Task:
         return reasoning_gym_task(name.removeprefix(REASONING_GYM_PREFIX))
     raise TaskError(
         f"unknown task {name!r}; known: {', '.join(TASKS)}, {REASONING_GYM_PREFIX}DATASET, or a task of "
-        "your own with task.module"
+        "your own with task.module (a task given in code: run the script that defines it with the same "
+        "flags, or set task.module to its file:NAME)"
     )
 
 
 def task_from_module(spec: str) -> Task:
     """The Task that `spec` names: `package.module:NAME` or `path/to/file.py:NAME`, NAME a Task or a
     function returning one. TaskError (one line) when it does not import or does not define one."""
+    for name, origin in _ORIGINS.items():  # given in code in this process: the same object, no import
+        if origin == spec:
+            return _REGISTERED[name]
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise TaskError(f"task.module {spec!r}: expected 'package.module:NAME' or 'path/to/file.py:NAME'")

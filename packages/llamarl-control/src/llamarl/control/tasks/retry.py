@@ -31,4 +31,5 @@ class RetryEnvironment:
         return Reply([{"role": "user", "content": TRY_AGAIN}])
 
 
-RETRY = dataclasses.replace(ARITH, name="retry", environment=RetryEnvironment)
+# Right when some try got it (the environment's reward is above 0), whichever try that was.
+RETRY = dataclasses.replace(ARITH, name="retry", environment=RetryEnvironment, correct=0.0)

@@ -15,15 +15,19 @@ tasks, tools or an environment); the built-in tasks (`llamarl.control.tasks.gsm8
     )
 
 Each row is a dict; `fields` names the ones every row must have and `prepare` may check, normalise or
-skip a row, so a malformed file fails when it is loaded (`llamarl.control.tasks.rows`), naming the file
-and line, before any process starts. The prompt is rendered through the model's chat template. Rewards
-run in worker processes (`llamarl.exec.reward.pool`), so reward functions must be module-level
-(importable by name in a fresh process): a lambda is refused when the task is checked.
+skip a row, and the prompt is filled from every row, so a malformed file (a row without a field the
+prompt names, say) fails when it is loaded (`llamarl.control.tasks.rows`), naming the file and line,
+before any process starts. The prompt is rendered through the model's chat template. Rewards run in
+worker processes (`llamarl.exec.reward.pool`), so reward functions must be module-level (importable by
+name in a fresh process): a lambda is refused when the task is checked (`Task.check`), as is a tool
+whose schema cannot be made from its signature and docstring.
 """
 
 from __future__ import annotations
 
 import pickle
+import re
+import string
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -60,6 +64,26 @@ Prompt = str | Callable[[dict], str | list[dict[str, Any]]]
 """A format string filled from the row (`"{question}"`), or a function of the row returning the user's
 text or the whole list of chat messages."""
 
+Correct = Callable[[list[dict[str, Any]], str, dict], bool] | float
+"""When a sample is right: a function `(prompt, completion, row) -> bool`, or a reward threshold (right
+when the sample's reward is above it)."""
+
+
+def prompt_fields(template: str) -> tuple[str, ...]:
+    """The row fields a format-string prompt names, in order (`"{question} {meta[id]}"` -> question,
+    meta). ValueError (one line) for a template that is not one: unbalanced braces, positional fields."""
+    names: list[str] = []
+    for _, name, spec, _ in string.Formatter().parse(template):
+        if name is None:
+            continue
+        root = re.split(r"[.\[]", name, maxsplit=1)[0]
+        if not root or root.isdigit():
+            raise ValueError(
+                f"the prompt's field {{{name}}} is positional; name a row field, e.g. {{question}}"
+            )
+        names += [root, *prompt_fields(spec or "")]  # a field in a format spec: "{value:{width}}"
+    return tuple(dict.fromkeys(names))
+
 
 @dataclass(frozen=True, kw_only=True)
 class Task:
@@ -82,6 +106,12 @@ class Task:
             the episode and the rewards score it.
         environment: a factory (a class, or a module-level function) of `llamarl.exec.multiturn.environments.
             Environment`: one new environment per episode, which replies to each model turn or finishes.
+        correct: when a sample is right, for an evaluation's accuracy (see `Correct`): a module-level
+            function `(prompt, completion, row) -> bool` (in a multi-turn task `completion` is the last
+            turn), or a reward threshold, right when the sample's reward is above it (`correct=0.0`:
+            any reward at all). None: the task does not say (an evaluation can only report rewards).
+            The built-in tasks say: their answer checker's verdict (GSM8K, MATH, arith, calc), or a
+            reward above 0 (retry).
     """
 
     name: str
@@ -93,6 +123,7 @@ class Task:
     prepare: Callable[[dict], dict | None] | None = None
     tools: Sequence[Tool] = ()
     environment: Callable[[], Environment] | None = None
+    correct: Correct | None = None
     _rewards: tuple[Reward, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -102,6 +133,24 @@ class Task:
         object.__setattr__(self, "tools", tuple(self.tools))
         if not self._rewards and self.environment is None:
             raise TaskError(f"task {self.name!r} has no reward functions and no environment to score it")
+        if isinstance(self.correct, bool) or not (
+            self.correct is None or callable(self.correct) or isinstance(self.correct, int | float)
+        ):
+            raise TaskError(
+                f"task {self.name!r}: correct must be a function (prompt, completion, row) -> bool or a "
+                f"reward threshold, not {self.correct!r}"
+            )
+
+    def is_correct(
+        self, prompt: list[dict[str, Any]], completion: str, row: dict, reward: float
+    ) -> bool | None:
+        """Whether a sample is right by the task's `correct`: its function's verdict, or whether `reward`
+        (the sample's reward) is above its threshold; None when the task has no `correct`."""
+        if self.correct is None:
+            return None
+        if callable(self.correct):
+            return bool(self.correct(prompt, completion, row))
+        return reward > self.correct
 
     @property
     def reward_functions(self) -> tuple[Reward, ...]:
@@ -139,26 +188,53 @@ class Task:
 
     def check_row(self, row: Any, *, where: str) -> dict | None:
         """The row, checked and prepared, or None when `prepare` skips it; DataError (naming `where`) for
-        a row outside the schema."""
+        a row outside the schema, or one the prompt cannot be made from (a field it names is missing)."""
         if not isinstance(row, dict):
             raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
         for name in self.fields:
             value = row.get(name)
             if value is None or (isinstance(value, str) and not value.strip()):
                 raise DataError(f"{where}: missing or empty field '{name}'")
-        if self.prepare is None:
-            return row
+        if self.prepare is not None:
+            try:
+                row = self.prepare(row)
+            except DataError as e:
+                raise DataError(f"{where}: {e}") from None
+            if row is None:
+                return None
+        self._check_prompt(row, where)
+        return row
+
+    def _check_prompt(self, row: dict, where: str) -> None:
+        """DataError naming `where` when the prompt cannot be made from `row` (checked when the rows are
+        loaded, so that no rank meets it while sampling)."""
+        if isinstance(self.prompt, str):
+            try:
+                missing = [name for name in prompt_fields(self.prompt) if name not in row]
+            except ValueError as e:
+                raise DataError(f"task {self.name!r}: {e}") from None
+            if missing:
+                raise DataError(f"{where}: missing field '{missing[0]}' (the prompt names it)")
         try:
-            return self.prepare(row)
+            self.messages(row)
         except DataError as e:
             raise DataError(f"{where}: {e}") from None
+        except Exception as e:  # the user's prompt function: any error, named with its row
+            raise DataError(f"{where}: the prompt function raised {type(e).__name__}: {e}") from None
 
     def check(self) -> None:
-        """Raises TaskError (one line) when the task cannot be sent to the ranks and reward workers."""
+        """Raises TaskError (one line) when the task cannot be sent to the ranks and reward workers, its
+        prompt is not a format string of row fields, or a tool's schema cannot be made."""
+        if isinstance(self.prompt, str):
+            try:
+                prompt_fields(self.prompt)
+            except ValueError as e:
+                raise TaskError(f"task {self.name!r}: {e}") from None
+        self._check_tools()
         parts: list[tuple[str, Any]] = [("prompt", self.prompt), ("prepare", self.prepare)]
         parts += [(f"rewards[{i}] ({r.name})", r.fn) for i, r in enumerate(self._rewards)]
         parts += [(f"tools[{i}]", t) for i, t in enumerate(self.tools)]
-        parts += [("environment", self.environment)]
+        parts += [("environment", self.environment), ("correct", self.correct)]
         for what, part in parts:
             if part is None:
                 continue
@@ -169,3 +245,28 @@ class Task:
                     f"task {self.name!r}: {what} cannot be sent to worker processes ({type(e).__name__}); "
                     "define it at module level (not a lambda or a nested function)"
                 ) from None
+
+    def _check_tools(self) -> None:
+        """TaskError naming the tool and the argument when a tool's schema cannot be made (a user's
+        function needs a type hint and an `Args:` entry in its docstring for every argument)."""
+        from llamarl.exec.multiturn.tools import as_tool
+
+        for i, item in enumerate(self.tools):
+            try:
+                tool = as_tool(item)
+                tool.schema()
+            except Exception as e:  # transformers' schema parser raises its own exception types
+                name = getattr(item, "name", None) or getattr(item, "__name__", f"tools[{i}]")
+                raise TaskError(f"task {self.name!r}: tool {name!r}: {_schema_problem(e)}") from None
+
+
+def _schema_problem(error: Exception) -> str:
+    """What a tool's schema lacks, in a few words, from the schema parser's exception."""
+    message = str(error)
+    if found := re.search(r"no description for the argument '(\w+)'", message):
+        return f"its docstring has no Args: entry for the argument '{found[1]}'"
+    if found := re.search(r"Argument (\w+) is missing a type hint", message):
+        return f"the argument '{found[1]}' has no type hint"
+    if "has no docstring" in message:
+        return "it has no docstring (its description and Args: entries tell the model how to call it)"
+    return f"its schema cannot be made ({type(error).__name__}: {' '.join(message.split())})"

@@ -1,135 +1,35 @@
-"""The `hf` generator: batched sampling with transformers' `generate`, recording behaviour log-probs.
+"""The `hf` generator: batched sampling with transformers' `generate` in this process.
 
 Shape legend:
     B  sequences (num_prompts x samples_per_prompt, the samples of one prompt contiguous)
-    P  prompt length (left-padded), C  completion length (right-padded), V  vocabulary size
+    P  prompt length (left-padded), C  completion length (right-padded)
 
-The behaviour log-probs must be those of the distribution the tokens were actually sampled from,
-log softmax(logits / temperature), because AIPO divides by them. So sampling is pinned to plain
-temperature sampling (top-k, top-p, min-p, repetition penalties and the model's own generation defaults
-all switched off): a logits processor draws each token itself from that distribution and records its
-log-prob during `generate` (which then decodes greedily over the processor's scores), holding one B x V
-float32 step at a time rather than every step's logits (B x C x V).
+How each token is drawn and its behaviour log-prob recorded (plain temperature sampling, nothing of the
+model's generation defaults): `llamarl.exec.generate.hf_sampling`. The KV cache it decodes into (each
+prompt's computed once for all its samples, each step written in place): `kv_cache`.
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from llamarl.comm import DEAD_AFTER_S, WeightReceiver, WeightSyncGroup
+from llamarl.comm import WeightReceiver, WeightSyncEndpoint, WeightSyncGroup
 from llamarl.exec.config import LoraConfig, SamplingConfig
+from llamarl.exec.generate.hf_sampling import BehaviorLogprobRecorder, rollout_batch
 from llamarl.exec.generate.packed_linear import pack_linear_layers, weights_changed
 from llamarl.exec.lora import adapter_tensors, add_lora
 from llamarl.exec.models import load_model_and_tokenizer, resolve_dtype
 from llamarl.exec.multiturn.episodes import BatchTurnSession
-from llamarl.exec.padding import completion_mask, left_pad
+from llamarl.exec.padding import left_pad
 from llamarl.exec.train import varlen_attention
-from llamarl.exec.types import GenerationPaused, PauseGeneration, RolloutBatch
+from llamarl.exec.types import GenerationPaused, PauseGeneration, RolloutBatch, synced_version
 
 if TYPE_CHECKING:
-    from transformers import Cache
-
-
-def draw_tokens(scaled_BV: torch.Tensor, block: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row from softmax(scaled_BV) (float [B, V], the logits over the temperature), and
-    its log-probability: (int64 [B], float [B]).
-
-    By the inverse of the cumulative distribution, one uniform number per row, in two levels: the
-    row's blocks of `block` entries first, then the entries of the block drawn. transformers'
-    `torch.multinomial` draws an exponential variate per vocabulary entry (24 ms a step for 16 x 49k on
-    one CPU thread); a log-softmax, its exp and a cumulative sum over the whole row took 3.7 ms, this
-    1.0 ms. The random numbers come from torch's global generator (seeded by `HFGenerator.setup`).
-    `scaled_BV` is overwritten (with exp(scaled - row max)): a fresh B x V tensor a step costs more than
-    the exp (1.3 ms for 16 x 49k beside the decoding, whose weights leave it no cache).
-    """
-    num_rows, vocab = scaled_BV.shape
-    max_B1 = scaled_BV.amax(-1, keepdim=True)
-    weights_BV = scaled_BV.sub_(max_B1).exp_()  # probabilities up to the row's sum, in [0, 1]
-    if vocab % block:
-        weights_BV = torch.nn.functional.pad(weights_BV, (0, block - vocab % block))
-    weights_BNK = weights_BV.view(num_rows, -1, block)
-    cdf_BN = weights_BNK.sum(-1).cumsum(-1)
-    total_B1 = cdf_BN[:, -1:]
-    if not torch.isfinite(total_B1).all():  # (torch.multinomial refuses these too)
-        raise ValueError("cannot sample: the model's logits hold NaN or infinite values")
-    u_B1 = torch.rand(num_rows, 1, device=scaled_BV.device, dtype=cdf_BN.dtype) * total_B1
-    # The first block, then entry, whose cumulative weight exceeds u: one of zero weight never does.
-    block_B = torch.searchsorted(cdf_BN, u_B1, right=True).squeeze(-1).clamp_(max=cdf_BN.shape[1] - 1)
-    rows_B = torch.arange(num_rows, device=scaled_BV.device)
-    cdf_BK = weights_BNK[rows_B, block_B].cumsum(-1)
-    before_B = torch.where(block_B > 0, cdf_BN[rows_B, block_B - 1], 0.0)
-    # u's place within its block, as a fraction of the block's weight, so that rounding (the block sum
-    # against its cumulative sum) can never carry it past the block's last entry of nonzero weight.
-    fraction_B = ((u_B1[:, 0] - before_B) / (cdf_BN[rows_B, block_B] - before_B)).clamp_(0.0, 1.0 - 1e-6)
-    within_B1 = (fraction_B * cdf_BK[:, -1])[:, None]
-    entry_B = torch.searchsorted(cdf_BK, within_B1, right=True).squeeze(-1).clamp_(max=block - 1)
-    token_B = block_B * block + entry_B
-    logprob_B = weights_BV[rows_B, token_B].log() - total_B1[:, 0].log()  # (a drawn weight is > 0)
-    return token_B, logprob_B
-
-
-class _BehaviorLogprobRecorder:
-    """Logits processor that records log softmax(scores / T)[sampled token] at every decoding step.
-
-    `generate` calls it with the scores of step t before the token of step t is drawn; that token shows
-    up as the last column of `input_ids` at step t + 1, so the previous step's log-softmax is kept until
-    then and the last step is resolved by `finish()`. It returns the scores unchanged, or with `draws`
-    it draws the token itself (`draw_tokens`) and returns scores whose argmax is that token (a one-hot).
-    """
-
-    def __init__(
-        self, temperature: float, on_step: Callable[[], None] | None = None, *, draws: bool = False
-    ) -> None:
-        self.temperature = temperature
-        self.draws = draws  # sample the token here (generate then runs greedy over the returned scores)
-        self.on_step = on_step  # called once per decoding step, after that step's scores are recorded
-        self.logprobs_BC: list[torch.Tensor] = []
-        self.input_ids: torch.Tensor | None = None  # prompt + every token drawn so far (a paused call's)
-        # The last step's log-probs, resolved once its token is known: [B, V] (all) when generate picks
-        # the token, [B] (the drawn token's) when this draws it.
-        self._pending: torch.Tensor | None = None
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        self.input_ids = input_ids
-        if self._pending is not None:
-            self._resolve(input_ids[:, -1])
-        scaled_BV = scores.float()
-        if self.temperature != 1.0:  # (a division of B x 49k floats a step saved at the usual T = 1)
-            scaled_BV = scaled_BV / self.temperature
-        if not self.draws:
-            self._pending = torch.log_softmax(scaled_BV, dim=-1)  # [B, V]: the token comes from generate
-        if self.on_step is not None:
-            self.on_step()
-        if not self.draws:
-            return scores
-        # [B]: the drawn token's log-prob. (scaled_BV is spent: generate keeps no scores.)
-        token_B, self._pending = draw_tokens(scaled_BV)
-        # generate only takes the argmax of what this returns: a one-hot of bytes is a quarter of
-        # the float scores to fill and scan (1.1 -> 0.4 ms a step for 16 x 49k on one thread).
-        one_hot_BV = torch.zeros(scores.shape, dtype=torch.uint8, device=scores.device)
-        return one_hot_BV.scatter_(-1, token_B[:, None], 1)
-
-    def _resolve(self, token_ids_B: torch.Tensor) -> None:
-        """Records the pending step's log-probs of `token_ids_B`, the tokens generate appended (a row that
-        had finished gets padding there: its log-prob is masked out later, whatever it is)."""
-        assert self._pending is not None
-        pending = self._pending
-        if pending.dim() == 2:
-            pending = pending.gather(-1, token_ids_B[:, None]).squeeze(-1)
-        self.logprobs_BC.append(pending)
-        self._pending = None
-
-    def finish(self, last_token_ids_B: torch.Tensor) -> torch.Tensor:
-        """Resolves the last step; returns the float32 log-probs of every generated position [B, C]."""
-        if self._pending is not None:
-            self._resolve(last_token_ids_B)
-        if not self.logprobs_BC:
-            return torch.zeros(last_token_ids_B.shape[0], 0)
-        return torch.stack(self.logprobs_BC, dim=1)
+    from transformers import GenerationConfig
 
 
 class HFGenerator:
@@ -137,8 +37,8 @@ class HFGenerator:
 
     Attributes:
         model: the policy module; weight sync writes into its parameters in place.
-        policy_version: the version of the weights in `model`; set by `receive_weights` (or by the caller
-            after a sync) and stamped on every generated token.
+        policy_version: (read-only) the version of the weights in `model`, stamped on every generated
+            token: 0 (the checkpoint) from setup, then set by `receive_weights`.
     """
 
     # `generate` takes `between_steps`: stream mode loads new weights between decoding steps.
@@ -172,9 +72,15 @@ class HFGenerator:
         self.seed = seed
         self._eos_token_ids = eos_token_ids
         self._pad_token_id = pad_token_id
-        self.policy_version: int | None = 0
+        self._policy_version: int | None = 0
+        self._weights_written = False  # a sync wrote into `model`: it is no longer the checkpoint
         self.model = None
         self._weights: WeightReceiver | None = None
+
+    @property
+    def policy_version(self) -> int | None:
+        """The version of the weights in `model`; None after a failed sync or `mark_weights_lost`."""
+        return self._policy_version
 
     def setup(self) -> None:
         """Loads the model onto the device."""
@@ -196,20 +102,9 @@ class HFGenerator:
             # everything else stays transformers' SDPA path.
             varlen_attention.register()
             self.model.set_attn_implementation(varlen_attention.VARLEN_ATTENTION)
-        eos = self._eos_token_ids
-        if eos is None:
-            eos = self.model.generation_config.eos_token_id
-        if eos is None:
-            eos = self.model.config.eos_token_id
-        if eos is None:
-            raise ValueError(f"{self.model_name}: the model defines no eos token; set eos_token_ids")
-        self.eos_token_ids = [eos] if isinstance(eos, int) else list(eos)
-        pad = self._pad_token_id
-        if pad is None:
-            pad = self.model.generation_config.pad_token_id
-        if pad is None:
-            pad = self.model.config.pad_token_id
-        self.pad_token_id = self.eos_token_ids[0] if pad is None else int(pad)
+        self.eos_token_ids, self.pad_token_id = _special_token_ids(
+            self.model, self.model_name, self._eos_token_ids, self._pad_token_id
+        )
         # None of the model's generation defaults (its generation_config.json: top_k, min_new_tokens...)
         # may reach generate, which fills what a call leaves unset from them; `generate` sets what it
         # needs. (min_new_tokens=0 in the call instead would make min_length the prompt's length and
@@ -229,56 +124,51 @@ class HFGenerator:
     # ----------------------------------------------------------------------------------------------
     # weights
 
-    def connect_weight_sync(
-        self,
-        *,
-        host: str,
-        port: int,
-        rank: int,
-        world_size: int,
-        timeout_s: float,
-        dead_after_s: float = DEAD_AFTER_S,
-        src_rank: int = 0,
-        backend: str = "gloo",
-    ) -> None:
-        """Joins the trainer's weight-sync group as `rank`; syncs then write into `model` in place (with
-        LoRA: into its adapters only). The trainer's `WeightSender` must be built at about the same time.
-        `timeout_s` bounds each step of a sync (forming the group, every bucket), `dead_after_s` a wait
-        for a trainer rank whose heartbeat stood still. `backend` "nccl" receives straight into the
-        model on its GPU."""
+    def connect_weight_sync(self, endpoint: WeightSyncEndpoint) -> int:
+        """Joins the trainer's weight-sync group as the member `endpoint` describes; syncs then write
+        into `model` in place (with LoRA: into its adapters only), and the backend "nccl" receives
+        straight into the model on its GPU. The trainer's `WeightSender` must be built at about the same
+        time. Returns how many tensors each sync delivers."""
         if self.model is None:
             raise RuntimeError("HFGenerator.connect_weight_sync called before setup()")
-        group = WeightSyncGroup(
-            host=host,
-            port=port,
-            rank=rank,
-            world_size=world_size,
-            timeout_s=timeout_s,
-            dead_after_s=dead_after_s,
-            backend=backend,
-            device=self.device if backend == "nccl" else None,
-        )
+        group = WeightSyncGroup(endpoint, device=self.device if endpoint.backend == "nccl" else None)
         try:
             destination = adapter_tensors(self.model) if self.lora is not None else self.model
-            self._weights = WeightReceiver(group, destination, src_rank=src_rank)
+            self._weights = WeightReceiver(group, destination)
         except BaseException:
             group.close()
             raise
+        return len(self._weights.layout.tensors)
 
     def receive_weights(self, timeout_s: float) -> int:
         """Waits at most `timeout_s` for the trainer to start a sync, receives it into `model` and adopts
         its policy_version (None while receiving: a failed sync leaves the weights partly replaced)."""
         if self._weights is None:
             raise RuntimeError("HFGenerator.receive_weights called before connect_weight_sync()")
-        self.policy_version = None
+        self._policy_version = None
+        self._weights_written = True
         try:
-            self.policy_version = self._weights.receive(timeout_s)
+            self._policy_version = self._weights.receive(timeout_s)
         finally:  # (written through `.data`, which the packed layers cannot see; also a partial write)
             weights_changed(self.model)
-        return self.policy_version
+        return self._policy_version
+
+    def mark_weights_lost(self) -> None:
+        """`policy_version` is None (no generate) until a `receive_weights` succeeds."""
+        self._policy_version = None
+
+    def serve_initial_weights(self) -> None:
+        """The model still holds the checkpoint it was loaded from: it serves as policy_version 0.
+        Raises RuntimeError once a sync wrote into it."""
+        if self._weights_written:
+            raise RuntimeError("the hf generator's weights came from a weight sync, not its checkpoint")
+        self._policy_version = 0
 
     def restart_engine(self) -> None:
         raise NotImplementedError("the hf generator has no engine process to restart")
+
+    # ----------------------------------------------------------------------------------------------
+    # sampling
 
     def open_turns(
         self, *, greedy: bool = False, between_steps: Callable[[], None] | None = None
@@ -305,49 +195,85 @@ class HFGenerator:
     ) -> RolloutBatch:
         """Samples `samples_per_prompt` completions of every prompt in one batched `generate` call.
 
-        Args:
-            prompts: token ids of each prompt (chat template already applied), no padding.
-            samples_per_prompt: completions per prompt; they are contiguous in the batch.
-            max_new_tokens: completion length limit (a completion that hits it has no EOS).
-            greedy: argmax decoding for evaluation; the log-probs are then those of the argmax tokens
-                under softmax(logits / temperature).
-            between_steps: called between decoding steps (after step t's logits, before step t + 1's
-                forward pass). It may load new weights into `model` in place and raise
-                `policy_version` (an in-flight update: later tokens come from the new weights; the
-                KV cache of earlier tokens is kept), or raise to abandon the call; `PauseGeneration`
-                keeps what was sampled (`GenerationPaused`).
+        `prompts`: token ids (chat template applied), no padding; a prompt's completions are contiguous
+        in the batch. `greedy`: argmax decoding for evaluation; the log-probs are then those of the
+        argmax tokens under softmax(logits / temperature). `between_steps` is called between decoding
+        steps (after step t's logits, before step t + 1's forward pass): it may load new weights into
+        `model` in place and raise `policy_version` (an in-flight update: later tokens come from the
+        new weights, the KV cache of earlier ones is kept), raise to abandon the call, or raise
+        `PauseGeneration` to keep what was sampled: `GenerationPaused` then holds it (every row has the
+        same number of steps; rows that met EOS are finished).
 
-        Returns:
-            RolloutBatch with rewards zeros, policy_version_B = the version at the first token and
-            token_version_BC = the version that sampled each token.
-
-        Raises:
-            GenerationPaused: `between_steps` raised `PauseGeneration`; it holds the completions drawn
-                so far (every row has the same number of steps; rows that met EOS are finished).
+        Returns a RolloutBatch with rewards zeros, policy_version_B the version at the first token and
+        token_version_BC the version that sampled each token.
         """
         if self.model is None:
             raise RuntimeError("HFGenerator.generate called before setup()")
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
-        from transformers import GenerationConfig, LogitsProcessorList
-
-        device = self.model.device
-        prompt_ids_BP, prompt_mask_BP = left_pad(
-            [p for p in prompts for _ in range(samples_per_prompt)], self.pad_token_id
-        )
+        version_at_start = synced_version(self._policy_version, "the hf generator")
+        rows = [p for p in prompts for _ in range(samples_per_prompt)]
+        prompt_ids_BP, prompt_mask_BP = left_pad(rows, self.pad_token_id)
         step_versions: list[int] = []  # the policy_version whose logits drew each step's token
 
         def on_step() -> None:
-            step_versions.append(self.policy_version)
+            step_versions.append(synced_version(self._policy_version, "the hf generator"))
             if between_steps is not None:
                 between_steps()
 
-        # The recorder draws each sampled token itself from softmax(logits / T) (`draw_tokens`), the
-        # distribution the behaviour log-probs describe, and hands generate scores whose argmax is that
-        # token: generate decodes greedily either way, so none of its samplers (nor the model's
-        # generation_config.json defaults, e.g. top_k=50, top_p=0.9) touch the tokens.
-        recorder = _BehaviorLogprobRecorder(self.sampling.temperature, on_step, draws=not greedy)
-        generation_config = GenerationConfig(
+        # The recorder draws each sampled token itself from softmax(logits / T), the distribution the
+        # behaviour log-probs describe, and hands generate scores whose argmax is that token: generate
+        # decodes greedily either way, so none of its samplers touch the tokens.
+        recorder = BehaviorLogprobRecorder(self.sampling.temperature, on_step, draws=not greedy)
+        batch = dict(samples_per_prompt=samples_per_prompt, version_at_start=version_at_start)
+        try:
+            sequences = self._decode(
+                prompt_ids_BP, prompt_mask_BP, recorder, samples_per_prompt, max_new_tokens
+            )
+        except PauseGeneration:
+            raise self._paused(
+                recorder, prompt_ids_BP, prompt_mask_BP, step_versions, max_new_tokens, batch
+            ) from None
+        completion_ids_BC = sequences[:, prompt_ids_BP.shape[1] :].cpu()
+        logprobs_BC = recorder.finish(sequences[:, -1]).cpu()
+        return self._batch(
+            prompt_ids_BP, prompt_mask_BP, completion_ids_BC, logprobs_BC, step_versions, **batch
+        )
+
+    def _decode(
+        self,
+        prompt_ids_BP: torch.Tensor,
+        prompt_mask_BP: torch.Tensor,
+        recorder: BehaviorLogprobRecorder,
+        samples_per_prompt: int,
+        max_new_tokens: int,
+    ) -> torch.Tensor:
+        """transformers' `generate` over the padded prompts, the recorder as its only logits processor;
+        returns prompt + completion ids [B, P + C]."""
+        from transformers import LogitsProcessorList
+
+        from llamarl.exec.generate.kv_cache import shared_prompt_cache  # (imports transformers)
+
+        device = self.model.device
+        with warnings.catch_warnings():
+            # Recent transformers name generate's cache argument `cache`; `past_key_values`, the
+            # only name older ones know, works until transformers 6 (the dependency's bound).
+            warnings.filterwarnings("ignore", "`past_key_values` is deprecated", FutureWarning)
+            return self.model.generate(
+                input_ids=prompt_ids_BP.to(device),
+                attention_mask=prompt_mask_BP.to(device),
+                past_key_values=shared_prompt_cache(
+                    self.model, prompt_ids_BP, prompt_mask_BP, samples_per_prompt, max_new_tokens
+                ),
+                generation_config=self._generation_config(max_new_tokens),
+                logits_processor=LogitsProcessorList([recorder]),
+            )
+
+    def _generation_config(self, max_new_tokens: int) -> GenerationConfig:
+        """Greedy over the recorder's scores, with every other processor of `generate` neutral."""
+        from transformers import GenerationConfig
+
+        return GenerationConfig(
             do_sample=False,
             repetition_penalty=1.0,
             no_repeat_ngram_size=0,
@@ -359,122 +285,48 @@ class HFGenerator:
             use_cache=True,
             return_dict_in_generate=False,
         )
-        try:
-            with warnings.catch_warnings():
-                # Recent transformers name generate's cache argument `cache`; `past_key_values`, the
-                # only name older ones know, works until transformers 6 (the dependency's bound).
-                warnings.filterwarnings("ignore", "`past_key_values` is deprecated", FutureWarning)
-                sequences = self.model.generate(
-                    input_ids=prompt_ids_BP.to(device),
-                    attention_mask=prompt_mask_BP.to(device),
-                    past_key_values=self._kv_cache(
-                        prompt_ids_BP, prompt_mask_BP, samples_per_prompt, max_new_tokens
-                    ),
-                    generation_config=generation_config,
-                    logits_processor=LogitsProcessorList([recorder]),
-                )
-        except PauseGeneration:
-            # Paused before step t's token was drawn: the t tokens drawn so far are resolved (log-probs
-            # and versions); step t is drawn again when the completion continues.
-            assert recorder.input_ids is not None
-            drawn_BC = recorder.input_ids[:, prompt_ids_BP.shape[1] :].cpu()
-            num_drawn = drawn_BC.shape[1]
-            logprobs = recorder.logprobs_BC
-            logprobs_BC = torch.stack(logprobs, 1) if logprobs else torch.zeros(drawn_BC.shape[0], 0)
-            partial = self._batch(
-                prompt_ids_BP,
-                prompt_mask_BP,
-                drawn_BC,
-                logprobs_BC.cpu(),
-                step_versions[:num_drawn],
-                samples_per_prompt,
-                trim=False,
-            )
-            # A row is done once it drew an EOS (transformers pads it from there on).
-            finished_B = torch.isin(drawn_BC, torch.tensor(self.eos_token_ids)).any(1)
-            raise GenerationPaused(partial, finished_B | (num_drawn >= max_new_tokens)) from None
-        return self._batch(
-            prompt_ids_BP,
-            prompt_mask_BP,
-            sequences[:, prompt_ids_BP.shape[1] :].cpu(),
-            recorder.finish(sequences[:, -1]).cpu(),
-            step_versions,
-            samples_per_prompt,
-        )
 
-    def _kv_cache(
+    def _paused(
         self,
+        recorder: BehaviorLogprobRecorder,
         prompt_ids_BP: torch.Tensor,
         prompt_mask_BP: torch.Tensor,
-        samples_per_prompt: int,
-        max_new_tokens: int,
-    ) -> Cache | None:
-        """The KV cache `generate` decodes into: every prompt's tokens but its last, computed once per
-        prompt and repeated for its samples (rows are a prompt's samples, contiguous), with room
-        reserved for the whole generation (`llamarl.exec.generate.kv_cache`, each step written in place).
-        `generate` then forwards only the last prompt token of each row before it decodes. None
-        (generate builds its own) for one-token prompts.
-
-        Without the sharing each prompt is forwarded once per sample: for GSM8K's 4 prompts x 4 samples
-        x 128 new tokens, 1536 prompt positions (padded) beside 2048 decoded tokens, instead of 380.
-        Positions follow the attention mask as `generate`'s own (cumulative sum of the mask minus one,
-        padding at 1), so the cache is the one it would build.
-        """
-        from llamarl.exec.generate.kv_cache import reserve  # (imports transformers: only where it is used)
-
-        if prompt_ids_BP.shape[1] < 2:
-            return None
-        device = self.model.device
-        ids_GP = prompt_ids_BP[::samples_per_prompt, :-1].to(device)
-        mask_GP = prompt_mask_BP[::samples_per_prompt, :-1].to(device)
-        positions_GP = (mask_GP.long().cumsum(-1) - 1).masked_fill_(mask_GP == 0, 1)
-        cache = self.model(
-            input_ids=ids_GP, attention_mask=mask_GP, position_ids=positions_GP, use_cache=True
-        ).past_key_values
-        if samples_per_prompt > 1:
-            cache.batch_repeat_interleave(samples_per_prompt)
-        return reserve(cache, capacity=prompt_ids_BP.shape[1] + max_new_tokens)
-
-    def _batch(
-        self,
-        prompt_ids_BP: torch.Tensor,
-        prompt_mask_BP: torch.Tensor,
-        completion_ids_BC: torch.Tensor,
-        behavior_logprobs_BC: torch.Tensor,
         step_versions: list[int],
-        samples_per_prompt: int,
-        *,
-        trim: bool = True,
-    ) -> RolloutBatch:
-        """The RolloutBatch of `generate`'s raw output: completions masked after their first EOS and
-        (with `trim`) cut to the longest; `step_versions[t]` sampled every row's token t."""
-        completion_mask_BC = completion_mask(completion_ids_BC, self.eos_token_ids)
-        # Columns past the longest completion hold only padding (possible when max_new_tokens is hit
-        # by none): drop them so C is the longest completion.
-        if trim:
-            length = int(completion_mask_BC.sum(1).max()) if completion_mask_BC.numel() else 0
-        else:
-            length = completion_ids_BC.shape[1]
-        completion_ids_BC = completion_ids_BC[:, :length]
-        completion_mask_BC = completion_mask_BC[:, :length]
-        completion_ids_BC = completion_ids_BC.masked_fill(completion_mask_BC == 0, self.pad_token_id)
-        # masked_fill, not a product: a padding position may hold -inf, and -inf * 0 is nan.
-        behavior_logprobs_BC = (
-            behavior_logprobs_BC[:, :length].float().masked_fill(completion_mask_BC == 0, 0.0)
+        max_new_tokens: int,
+        batch: dict[str, Any],
+    ) -> GenerationPaused:
+        """What a generate paused before step t's token was drawn holds: the t tokens drawn so far,
+        resolved (log-probs and versions); step t is drawn again when the completion continues."""
+        assert recorder.input_ids is not None
+        drawn_BC = recorder.input_ids[:, prompt_ids_BP.shape[1] :].cpu()
+        num_drawn = drawn_BC.shape[1]
+        logprobs = recorder.logprobs_BC
+        logprobs_BC = torch.stack(logprobs, 1).cpu() if logprobs else torch.zeros(drawn_BC.shape[0], 0)
+        versions = step_versions[:num_drawn]
+        partial = self._batch(
+            prompt_ids_BP, prompt_mask_BP, drawn_BC, logprobs_BC, versions, **batch, trim=False
+        )
+        # A row is done once it drew an EOS (transformers pads it from there on).
+        finished_B = torch.isin(drawn_BC, torch.tensor(self.eos_token_ids)).any(1)
+        return GenerationPaused(partial, finished_B | (num_drawn >= max_new_tokens))
+
+    def _batch(self, *args: Any, **kwargs: Any) -> RolloutBatch:
+        return rollout_batch(
+            *args, eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id, **kwargs
         )
 
-        num_sequences = prompt_ids_BP.shape[0]
-        versions_C = torch.tensor(step_versions[:length], dtype=torch.int64).reshape(1, length)
-        token_version_BC = versions_C.expand(num_sequences, length) * completion_mask_BC
-        first_version = step_versions[0] if step_versions else self.policy_version
-        return RolloutBatch(
-            prompt_ids_BP=prompt_ids_BP,
-            prompt_mask_BP=prompt_mask_BP,
-            completion_ids_BC=completion_ids_BC.long(),
-            completion_mask_BC=completion_mask_BC,
-            behavior_logprobs_BC=behavior_logprobs_BC,
-            rewards_B=torch.zeros(num_sequences, dtype=torch.float32),
-            policy_version_B=torch.full((num_sequences,), first_version, dtype=torch.int64),
-            token_version_BC=token_version_BC,
-            group_size=samples_per_prompt,
-        )
+
+def _special_token_ids(
+    model: Any, model_name: str, eos: int | list[int] | None, pad: int | None
+) -> tuple[list[int], int]:
+    """(eos ids, pad id): the ones given, else the model's generation config's, else its config's; the
+    pad id defaults to the first eos id."""
+    for source in (model.generation_config, model.config):
+        if eos is None:
+            eos = source.eos_token_id
+        if pad is None:
+            pad = source.pad_token_id
+    if eos is None:
+        raise ValueError(f"{model_name}: the model defines no eos token; set eos_token_ids")
+    eos_ids = [eos] if isinstance(eos, int) else list(eos)
+    return eos_ids, eos_ids[0] if pad is None else int(pad)

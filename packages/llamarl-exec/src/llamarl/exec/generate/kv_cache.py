@@ -79,3 +79,35 @@ def reserve(cache: Cache, capacity: int) -> Cache:
             reserved.__dict__.update(layer.__dict__)  # what it holds (keys, values, device, ...)
             cache.layers[index] = reserved
     return cache
+
+
+def shared_prompt_cache(
+    model: torch.nn.Module,
+    prompt_ids_BP: torch.Tensor,
+    prompt_mask_BP: torch.Tensor,
+    samples_per_prompt: int,
+    max_new_tokens: int,
+) -> Cache | None:
+    """The KV cache the hf generator decodes into: every prompt's tokens but its last, computed once
+    per prompt and repeated for its samples (rows are a prompt's samples, contiguous), with room
+    reserved for the whole generation (`reserve`, each step written in place). `generate` then
+    forwards only the last prompt token of each row before it decodes. None (generate builds its own)
+    for one-token prompts.
+
+    Without the sharing each prompt is forwarded once per sample: for GSM8K's 4 prompts x 4 samples
+    x 128 new tokens, 1536 prompt positions (padded) beside 2048 decoded tokens, instead of 380.
+    Positions follow the attention mask as `generate`'s own (cumulative sum of the mask minus one,
+    padding at 1), so the cache is the one it would build.
+    """
+    if prompt_ids_BP.shape[1] < 2:
+        return None
+    device = model.device
+    ids_GP = prompt_ids_BP[::samples_per_prompt, :-1].to(device)
+    mask_GP = prompt_mask_BP[::samples_per_prompt, :-1].to(device)
+    positions_GP = (mask_GP.long().cumsum(-1) - 1).masked_fill_(mask_GP == 0, 1)
+    cache = model(
+        input_ids=ids_GP, attention_mask=mask_GP, position_ids=positions_GP, use_cache=True
+    ).past_key_values
+    if samples_per_prompt > 1:
+        cache.batch_repeat_interleave(samples_per_prompt)
+    return reserve(cache, capacity=prompt_ids_BP.shape[1] + max_new_tokens)

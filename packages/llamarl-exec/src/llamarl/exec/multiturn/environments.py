@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from llamarl.exec.multiturn.tools import Tool, ToolCall, as_tool
+from llamarl.exec.multiturn.tools import Tool, ToolCall, as_tool, error_text
 
 
 @dataclass(frozen=True)
@@ -85,6 +85,6 @@ class ToolEnvironment:
                 try:
                     result = tool(**call.arguments)
                 except Exception as e:  # the model's call was wrong: it reads why
-                    result = f"error: {type(e).__name__}: {e}"
+                    result = error_text(e)
             messages.append({"role": "tool", "name": call.name, "content": result})
         return Reply(messages)

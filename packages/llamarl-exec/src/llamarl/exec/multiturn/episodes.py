@@ -20,13 +20,14 @@ ends with a model turn.
 
 Limits: `max_turns` model turns, `max_new_tokens` per turn, `max_episode_tokens` for the whole
 completion (model and environment tokens); an episode that hits one ends without the environment's
-`Finish`. An environment that raises drops its episode: its completion is empty (nothing trained) and
-it is counted.
+`Finish`. An environment that raises, or finishes with a reward that is not a finite number (NaN,
+inf, a string), drops its episode: its completion is empty (nothing trained) and it is counted.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -180,7 +181,11 @@ def _take_turn(
         _drop(episode, e, "step")
         return None
     if isinstance(result, Finish):
-        episode.finished, episode.reward = True, result.reward
+        problem = _not_a_reward(result.reward)
+        if problem is not None:  # a NaN reward would spread to every advantage of its group
+            _drop(episode, f"returned Finish(reward={problem}), not a finite number", "step")
+            return None
+        episode.finished, episode.reward = True, None if result.reward is None else float(result.reward)
         return None
     room = limits.max_episode_tokens - len(episode.ids)
     if episode.turns >= limits.max_turns or room <= 0:
@@ -200,8 +205,23 @@ def _take_turn(
     return min(limits.max_new_tokens, room - len(reply))
 
 
-def _drop(episode: Episode, error: Exception, where: str) -> None:
-    episode.error = f"environment {where}() raised {type(error).__name__}: {error}"
+def _not_a_reward(reward: Any) -> str | None:
+    """What is wrong with an environment's reward (as shown), or None for a finite number or None."""
+    if reward is None:
+        return None
+    try:
+        if not isinstance(reward, str | bytes) and math.isfinite(float(reward)):
+            return None
+    except (TypeError, ValueError):
+        pass
+    text = repr(reward)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _drop(episode: Episode, error: Exception | str, where: str) -> None:
+    """Drops `episode`: `error` is what its environment raised, or what it did wrong."""
+    what = error if isinstance(error, str) else f"raised {type(error).__name__}: {error}"
+    episode.error = f"environment {where}() {what}"
     # Nothing of a dropped episode is trained on: its completion is emptied.
     episode.ids, episode.mask, episode.logprobs, episode.versions = [], [], [], []
     log.warning("episode dropped: %s", episode.error)

@@ -62,14 +62,23 @@ _CALL_FUNCTION = (
     + r"""
 import importlib, json as _json
 _call = _json.loads(payload)
-_target = importlib.import_module(_call["module"])
-for _part in _call["qualname"].split("."):
-    _target = getattr(_target, _part)
-_result = _target(**_call["arguments"])
+try:
+    _target = importlib.import_module(_call["module"])
+    for _part in _call["qualname"].split("."):
+        _target = getattr(_target, _part)
+    _result = _target(**_call["arguments"])
+except BaseException as _e:  # the exception itself, not a traceback, is what the caller reports
+    _message = str(_e)[: _call["max_error_chars"]]
+    sys.stdout.write("\x00RAISED\x00" + _json.dumps([type(_e).__name__, _message]))
+    sys.stdout.flush()
+    os._exit(1)
 sys.stdout.write("\x00RESULT\x00" + str(_result))
 """
 )
 RESULT_MARK = "\x00RESULT\x00"
+RAISED_MARK = "\x00RAISED\x00"
+MAX_ERROR_CHARS = 500
+"""How much of a raised exception's message a sandboxed call reports."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +89,7 @@ class SandboxResult:
     exit_code: int | None  # None when it was killed at a limit
     timed_out: bool = False  # killed at the wall-clock deadline
     flooded: bool = False  # killed for writing more than max_output_bytes
+    raised: str | None = None  # a called function's exception, "Type: message" (message bounded)
 
     @property
     def ok(self) -> bool:
@@ -114,19 +124,27 @@ def run_python(code: str, limits: Limits = Limits()) -> SandboxResult:
 
 def call_function(module: str, qualname: str, arguments: dict, limits: Limits) -> SandboxResult:
     """Calls `module.qualname(**arguments)` in a child process (with this process's `sys.path`); the
-    output is the call's result as text (what it printed comes before it)."""
-    payload = json.dumps({"module": module, "qualname": qualname, "arguments": arguments})
+    output is the call's result as text (what it printed comes before it). A call that raised says
+    what in `raised` ("ValueError: no such city"; at most `MAX_ERROR_CHARS` of the message)."""
+    payload = json.dumps(
+        {"module": module, "qualname": qualname, "arguments": arguments, "max_error_chars": MAX_ERROR_CHARS}
+    )
     env = {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     result = _run([sys.executable, "-c", _CALL_FUNCTION], payload, limits, env=env)
     printed, mark, value = result.output.partition(RESULT_MARK)
-    if not mark or not result.ok:  # killed at a limit, or raised: the run's own account
-        return SandboxResult(
-            output=printed + value,
-            exit_code=result.exit_code,
-            timed_out=result.timed_out,
-            flooded=result.flooded,
-        )
-    return SandboxResult(output=value, exit_code=result.exit_code)
+    if mark and result.ok:
+        return SandboxResult(output=value, exit_code=result.exit_code)
+    printed, mark, raised = result.output.partition(RAISED_MARK)
+    if mark and result.exit_code == 1:
+        with contextlib.suppress(ValueError):
+            kind, message = json.loads(raised)
+            return SandboxResult(
+                output=printed, exit_code=1, raised=f"{kind}: {message}" if message else kind
+            )
+    # Killed at a limit, or died without a word: the run's own account.
+    return SandboxResult(
+        output=result.output, exit_code=result.exit_code, timed_out=result.timed_out, flooded=result.flooded
+    )
 
 
 def _run(command: list[str], payload: str, limits: Limits, *, env: dict[str, str]) -> SandboxResult:

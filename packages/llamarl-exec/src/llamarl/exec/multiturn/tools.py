@@ -28,7 +28,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from llamarl.exec.multiturn.sandbox import Limits, call_function, run_python
+from llamarl.exec.multiturn.sandbox import MAX_ERROR_CHARS, Limits, call_function, run_python
 
 
 @dataclass(frozen=True)
@@ -191,10 +191,26 @@ class FunctionTool:
 
     def __call__(self, **arguments: Any) -> str:
         result = call_function(self.function.__module__, self.function.__qualname__, arguments, self.limits)
-        if not result.ok:  # the last line says why: the limit it was killed at, or the exception raised
+        if result.raised is not None:  # the function's own exception, type and message
+            raise ToolError(result.raised)
+        if not result.ok:  # the last line says why: the limit it was killed at
             lines = result.describe().strip().splitlines()
-            raise RuntimeError(lines[-1] if lines else f"exit code {result.exit_code}")
+            raise ToolError(lines[-1].strip("[]") if lines else f"exit code {result.exit_code}")
         return result.output
+
+
+class ToolError(RuntimeError):
+    """A tool call that failed in its child process; the message is what the model reads after
+    "error: ": the function's exception ("ValueError: no such city") or the limit it was killed at."""
+
+
+def error_text(error: Exception) -> str:
+    """What the model reads for a failed tool call: "error: Type: message", at most `MAX_ERROR_CHARS`
+    of the message."""
+    text = str(error) if isinstance(error, ToolError) else f"{type(error).__name__}: {error}"
+    if len(text) > MAX_ERROR_CHARS:
+        text = text[:MAX_ERROR_CHARS] + "..."
+    return f"error: {text}"
 
 
 def as_tool(item: Any) -> Tool:

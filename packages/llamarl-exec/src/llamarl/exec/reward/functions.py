@@ -10,10 +10,12 @@ callable, module-level so that the spawned workers of `ProcessRewarder` can impo
 
 `prompt` is the chat messages the model was shown, `completion` its answer as text (in a multi-turn
 episode: its last turn), `row` the dataset row. `score_samples` runs them in a worker: a function that
-raises scores 0 for the samples it failed on (the others still count) and the error is reported.
+raises, or returns anything but a finite number (NaN, inf, a string, None), scores 0 for the samples
+it failed on (the others still count) and the error is reported, naming the function.
 
 The answer checkers (`gsm8k_reward`, `math_reward`) take `(completion, reference)`; `gsm8k_answer` and
-`math_answer` are their task-facing forms, reading the reference from `row["answer"]`. This module
+`math_answer` are their task-facing forms, reading the reference from `row["answer"]`, and
+`gsm8k_correct` / `math_correct` the same checks as a task's verdict (right or wrong). This module
 imports nothing heavy at import time (math-verify pulls in sympy on first use), so a worker starts
 quickly.
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -132,6 +135,16 @@ def math_answer(prompt: Messages, completion: str, row: dict) -> float:
     return math_reward(completion, row["answer"])
 
 
+def gsm8k_correct(prompt: Messages, completion: str, row: dict) -> bool:
+    """Whether the completion's final number is GSM8K's reference answer (`row["answer"]`)."""
+    return gsm8k_answer(prompt, completion, row) == 1.0
+
+
+def math_correct(prompt: Messages, completion: str, row: dict) -> bool:
+    """Whether the completion's last `\\boxed{}` equals the MATH reference answer (`row["answer"]`)."""
+    return math_answer(prompt, completion, row) == 1.0
+
+
 @dataclass(frozen=True)
 class Reward:
     """One reward function of a task and its weight in the task's reward (a weighted sum).
@@ -172,48 +185,99 @@ def as_rewards(items: Sequence[RewardFn | tuple[RewardFn, float] | Reward]) -> t
 
 
 def score_samples(
-    rewards: Sequence[Reward], prompts: list[Messages], completions: list[str], rows: list[dict]
+    rewards: Sequence[Reward],
+    prompts: list[Messages],
+    completions: list[str],
+    rows: list[dict],
+    on_call: Callable[[int, int], None] | None = None,
 ) -> tuple[list[float], list[str | None]]:
     """The weighted reward of each sample, and per sample the first error (None when every function ran).
 
-    A function that raises (or returns something that is not a number) scores 0 on the samples it
-    failed on; the other functions still count. Async functions of all samples run concurrently.
+    A function that raises, or returns something that is not a finite number (NaN, inf, a string,
+    None, a list), scores 0 on the samples it failed on; the other functions still count. Each error is
+    one line naming the function ("reward function 'f' returned nan, not a finite number"). Async
+    functions of all samples run concurrently.
+
+    `on_call(k, j)`: told before reward function k runs on sample j (j = -1: on all samples at once,
+    batched or async), so that whoever kills a hung call can name the function it hung in.
     """
     num = len(completions)
     totals = [0.0] * num
     errors: list[str | None] = [None] * num
-
-    def failed(i: int, reward: Reward, error: BaseException | str) -> None:
-        text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
-        errors[i] = errors[i] or f"reward {reward.name!r}: {text}"
-
-    for reward in rewards:
-        if reward.batched:
-            try:
-                values = _resolve(reward.fn(prompts, completions, rows))
-                if len(values) != num:
-                    raise ValueError(f"returned {len(values)} scores for {num} samples")
-                results: list[Any] = list(values)
-            except Exception as e:  # a bug in a reward function costs its score, not the run
-                results = [e] * num
-        elif reward.is_async:
-            results = asyncio.run(_gather(reward.fn, prompts, completions, rows))
-        else:
-            results = []
-            for p, c, r in zip(prompts, completions, rows, strict=True):
-                try:
-                    results.append(reward.fn(p, c, r))
-                except Exception as e:
-                    results.append(e)
+    tell = on_call or (lambda k, j: None)
+    for k, reward in enumerate(rewards):
+        results = _call(k, reward, prompts, completions, rows, tell)
         for i, value in enumerate(results):
-            if isinstance(value, BaseException):
-                failed(i, reward, value)
-                continue
             try:
-                totals[i] += reward.weight * float(value)
-            except (TypeError, ValueError):
-                failed(i, reward, f"returned {value!r}, not a number")
+                score = _finite_score(value)
+            except _NotAScore as e:
+                errors[i] = errors[i] or f"reward function {reward.name!r} {e}"
+                continue
+            totals[i] += reward.weight * score
     return totals, errors
+
+
+class _NotAScore(Exception):
+    """What a reward function gave instead of a finite number (the message says what, in one line)."""
+
+
+def _finite_score(value: Any) -> float:
+    """`value` as a float; _NotAScore when it is an exception, not a number, or NaN or infinite."""
+    if isinstance(value, _NotAScore):
+        raise value
+    if isinstance(value, BaseException):
+        raise _NotAScore(f"raised {type(value).__name__}: {one_line(str(value))}")
+    if value is None or isinstance(value, str | bytes):  # "1.0" parses, but a string is a bug all the same
+        raise _NotAScore(f"returned {one_line(repr(value), 60)}, not a number")
+    try:
+        score = float(value)
+    except (TypeError, ValueError):
+        raise _NotAScore(f"returned {one_line(repr(value), 60)}, not a number") from None
+    if not math.isfinite(score):  # one NaN reward makes every advantage of its group NaN
+        raise _NotAScore(f"returned {score}, not a finite number")
+    return score
+
+
+def one_line(text: str, limit: int = 200) -> str:
+    """`text` on one line (whitespace runs as one space), cut to `limit` characters."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
+
+
+def _call(
+    k: int,
+    reward: Reward,
+    prompts: list[Messages],
+    completions: list[str],
+    rows: list[dict],
+    tell: Callable[[int, int], None],
+) -> list[Any]:
+    """Reward function k on every sample: a value or the exception it raised, per sample."""
+    num = len(completions)
+    if reward.batched:
+        tell(k, -1)
+        try:
+            result = _resolve(reward.fn(prompts, completions, rows))
+        except Exception as e:  # a bug in a reward function costs its score, not the run
+            return [e] * num
+        try:
+            values = list(result)
+        except TypeError:
+            return [_NotAScore(f"returned {type(result).__name__}, not a list of {num} scores")] * num
+        if len(values) != num:
+            return [_NotAScore(f"returned {len(values)} scores for {num} samples")] * num
+        return values
+    if reward.is_async:
+        tell(k, -1)
+        return asyncio.run(_gather(reward.fn, prompts, completions, rows))
+    results: list[Any] = []
+    for j, (p, c, r) in enumerate(zip(prompts, completions, rows, strict=True)):
+        tell(k, j)
+        try:
+            results.append(reward.fn(p, c, r))
+        except Exception as e:
+            results.append(e)
+    return results
 
 
 def _resolve(value: Any) -> Any:

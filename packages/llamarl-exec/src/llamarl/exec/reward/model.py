@@ -11,19 +11,23 @@ completion text and the reference answer, and return one float per sample:
   P(yes) / (P(yes) + P(no)) of its next token.
 
 Both implement `llamarl.exec.types.ModelRewarder`. The weights are the model's own: they never come
-from the trainer. A score that is NaN or infinite is a `RewardModelError` naming the sample (a broken
-reward model must stop the run, not train on garbage).
+from the trainer. A score that is NaN or infinite costs its sample what a failing reward function
+costs: the model's score is 0 for it, it is counted (`num_failures`) and one line names the model and
+the sample; the batch's other samples keep their scores (one NaN would otherwise spread to every
+advantage of its group).
 
 Shape legend: N texts in a forward pass, L their padded token length.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
 
 from llamarl.exec.config import RewardModelConfig
+from llamarl.exec.reward.functions import one_line
 from llamarl.exec.types import ModelRewarder
 
 __all__ = [
@@ -35,6 +39,8 @@ __all__ = [
     "combine_rewards",
     "reference_guided",
 ]
+
+log = logging.getLogger(__name__)
 
 JUDGE_PROMPT = (
     "Here is a question and an answer to it.\n\nQuestion: {question}\n\nAnswer: {completion}\n\n"
@@ -49,8 +55,8 @@ def reference_guided(question: str, reference: str) -> str:
 
 
 class RewardModelError(RuntimeError):
-    """A reward model that cannot score (a NaN or infinite score, a model that does not fit its kind);
-    the message is one line naming the sample."""
+    """A reward model that does not fit its kind (a classifier with several labels, a judge without a
+    token for yes or no); the message is one line."""
 
 
 def resolve_device_and_dtype(config: RewardModelConfig, rank_device: str = "cpu") -> tuple[str, torch.dtype]:
@@ -74,6 +80,7 @@ class _HFScorer:
         self.dtype = dtype
         self.model = None
         self.tokenizer = None
+        self.num_failures = 0  # samples scored 0 because the model's score was NaN or infinite
 
     def _load_model(self):
         raise NotImplementedError
@@ -119,7 +126,8 @@ class _HFScorer:
         raise NotImplementedError
 
     def score(self, questions: list[str], completions: list[str], references: list[str]) -> list[float]:
-        """One score per sample, in order; RewardModelError for a NaN or infinite one."""
+        """One score per sample, in order; 0.0 (counted, reported) for a sample the model scored NaN or
+        infinite."""
         if not len(questions) == len(completions) == len(references):
             raise ValueError(
                 f"{len(questions)} questions, {len(completions)} completions, {len(references)} references"
@@ -131,12 +139,23 @@ class _HFScorer:
         with torch.inference_mode():
             for first in range(0, len(texts), size):
                 scores += self._forward(texts[first : first + size]).tolist()
-        for i, value in enumerate(scores):
-            if not math.isfinite(value):
-                raise RewardModelError(
-                    f"the reward model {self.config.path} scored sample {i} {value} (question "
-                    f"{questions[i][:60]!r}, completion {completions[i][:60]!r})"
-                )
+        broken = [i for i, value in enumerate(scores) if not math.isfinite(value)]
+        if broken:
+            first = broken[0]
+            more = f" (and {len(broken) - 1} more samples of this batch)" if len(broken) > 1 else ""
+            log.warning(
+                "the reward model %s scored sample %d %s, not a finite number (question %r, completion "
+                "%r); scored 0%s",
+                self.config.path,
+                first,
+                scores[first],
+                one_line(questions[first], 60),
+                one_line(completions[first], 60),
+                more,
+            )
+            self.num_failures += len(broken)
+            for i in broken:
+                scores[i] = 0.0
         return scores
 
 

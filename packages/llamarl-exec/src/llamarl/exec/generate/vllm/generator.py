@@ -4,11 +4,10 @@ Shape legend:
     B  sequences (num_prompts x samples_per_prompt, the samples of one prompt contiguous)
     P  prompt length (left-padded), C  completion length (right-padded)
 
-`VLLMGenerator` turns sampling requests into engine calls and the engine's replies into RolloutBatches;
-`llamarl.exec.generate.vllm.client.EngineClient` runs the engine process
-(`llamarl.exec.generate.vllm.server`, in the
-vLLM environment) with a deadline on every call. The engine runs in a child process, not in this one,
-for two reasons: vLLM pins its own torch, and an in-process engine would adopt the launcher's default
+`VLLMGenerator` turns sampling requests into engine requests (`protocol`) and the engine's replies into
+RolloutBatches (`rollouts`); `client.EngineClient` runs the engine process (`server`, in the vLLM
+environment) with a deadline on every call. The engine runs in a child process, not in this one, for
+two reasons: vLLM pins its own torch, and an in-process engine would adopt the launcher's default
 process group.
 
 Weights never pass through this process: `connect_weight_sync` makes the engine's worker join the
@@ -36,39 +35,32 @@ vLLM, so their log-probs are log softmax(z) (the HF generator scales greedy log-
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from llamarl.comm import DEAD_AFTER_S
-from llamarl.comm.layouts import dtype_from_str
+from llamarl.comm import WeightSyncEndpoint
+from llamarl.comm.adapters.vllm import INITIAL_POLICY_VERSION
 from llamarl.exec.config import GeneratorConfig, SamplingConfig
-from llamarl.exec.generate.vllm.client import BETWEEN_STEPS_S, EngineClient, EngineError, EngineLost
-from llamarl.exec.padding import completion_mask, left_pad, right_pad
-from llamarl.exec.types import GenerationPaused, RolloutBatch, TurnOutput
+from llamarl.exec.generate.vllm import protocol as p
+from llamarl.exec.generate.vllm.client import EngineClient, EngineError, EngineLost
+from llamarl.exec.generate.vllm.engine_args import server_args, special_tokens
+from llamarl.exec.generate.vllm.rollouts import EngineTurnSession, rollout_batch
+from llamarl.exec.types import GenerationPaused, RolloutBatch, WeightsNotSyncedError, synced_version
 
 __all__ = ["EngineError", "EngineLost", "VLLMGenerator", "WeightsNotSyncedError"]
-
-
-class WeightsNotSyncedError(RuntimeError):
-    """`generate` was called while the engine holds no synced policy: it was restarted (it serves the
-    checkpoint it started from, not the trainer's latest weights) or its last weight sync failed
-    (weights partly replaced). A `receive_weights` that succeeds ends this state."""
 
 
 class VLLMGenerator:
     """Samples completions in a vLLM engine process; implements `llamarl.exec.types.Generator`.
 
     Attributes:
-        policy_version: the version of the weights the engine serves; set by `receive_weights` and
-            checked against the engine's own report on every generate. None while the engine holds no
-            synced weights: after `restart_engine()` and after a failed `receive_weights`, until the
-            next successful one; `generate` then raises `WeightsNotSyncedError`.
+        policy_version: (read-only) the version of the weights the engine serves; set by
+            `receive_weights` and checked against the engine's own report on every generate. None while
+            the engine holds no synced weights: after `restart_engine()`, a failed `receive_weights` or
+            `mark_weights_lost()`, until the next successful receive (or `serve_initial_weights()`);
+            `generate` then raises `WeightsNotSyncedError`.
         num_engine_restarts: how many times `restart_engine()` replaced the engine.
     """
 
@@ -116,33 +108,29 @@ class VLLMGenerator:
         self.start_timeout_s = start_timeout_s
         self.timeout_s = timeout_s
         self.log_path = log_path
-        self.policy_version: int | None = 0
+        self._policy_version: int | None = 0
         self.num_engine_restarts = 0
         self._client: EngineClient | None = None
-        self._temporary_log = False  # the log is ours to delete after a clean close
         self._num_calls = 0
-        # The weight-sync group this generator joined (connect_weight_sync's arguments): a restarted
-        # engine rejoins it under the same rank.
-        self._weight_sync: dict[str, Any] | None = None
+        # The weight-sync group this generator joined: a restarted engine rejoins it under the same rank.
+        self._endpoint: WeightSyncEndpoint | None = None
+
+    @property
+    def policy_version(self) -> int | None:
+        """The version of the weights the engine serves (None: no synced policy; see the class doc)."""
+        return self._policy_version
 
     # ----------------------------------------------------------------------------------------------
     # lifecycle
 
     def setup(self) -> None:
         """Starts the engine process and waits (at most start_timeout_s) until it serves."""
-        self.eos_token_ids, self.pad_token_id = _special_tokens(Path(self.model_name))
-        if self.log_path:
-            log_path = Path(self.log_path)
-        else:
-            fd, name = tempfile.mkstemp(prefix="llamarl-vllm-engine-", suffix=".log")
-            os.close(fd)
-            log_path = Path(name)
-            self._temporary_log = True
+        self.eos_token_ids, self.pad_token_id = special_tokens(Path(self.model_name))
         self._client = EngineClient(
             server_args=self.server_args(),
             vllm_python=self.engine.vllm_python,
             num_threads=self.num_threads,
-            log_path=log_path,
+            log_path=Path(self.log_path) if self.log_path else None,
             start_timeout_s=self.start_timeout_s,
             timeout_s=self.timeout_s,
             device=self.device,
@@ -150,43 +138,18 @@ class VLLMGenerator:
         self._client.start()
 
     def server_args(self) -> list[str]:
-        """The engine process's flags (`llamarl.exec.generate.vllm.server`): what the vLLM engine is built
-        with."""
-        engine = self.engine
-        cuda = self.device.startswith("cuda")
-        args = [
-            "--model", str(self.model_name),
-            "--dtype", self.dtype,
-            "--max-num-seqs", str(engine.max_num_seqs or self.batch_sequences),
-            "--num-threads", str(self.num_threads),
-            "--seed", str(self.seed or 0),
-            "--device", "cuda" if cuda else "cpu",
-            "--gpu-memory-utilization", str(engine.gpu_memory_utilization),
-        ]  # fmt: skip
-        if engine.max_model_len is not None:
-            args += ["--max-model-len", str(engine.max_model_len)]
-        if not cuda:  # on CUDA the KV cache takes what gpu_memory_utilization leaves
-            args += ["--kv-cache-bytes", str(self.kv_cache_bytes())]
-        if cuda and engine.cuda_graphs:
-            args.append("--cuda-graphs")
-        # Tokens of a step scheduled ahead would be stamped with the version of weights loaded after it.
-        if cuda and engine.async_scheduling and not self.supports_in_flight_updates:
-            args.append("--async-scheduling")
-        return args
-
-    def kv_cache_bytes(self) -> int:
-        """The CPU engine's KV cache: engine.kv_cache_gib, or sized for this run (`kv_cache_bytes`)."""
-        if self.engine.kv_cache_gib is not None:
-            return int(self.engine.kv_cache_gib * 2**30)
-        config = json.loads((Path(self.model_name) / "config.json").read_text())
-        sized = kv_cache_bytes(
-            config.get("text_config", config),  # a vision-language model's is its text model's
+        """The engine process's flags (`engine_args.server_args`): what the vLLM engine is built with."""
+        return server_args(
+            model=self.model_name,
             dtype=self.dtype,
+            engine=self.engine,
+            device=self.device,
+            num_threads=self.num_threads,
+            seed=self.seed,
             sequences=self.engine.max_num_seqs or self.batch_sequences,
-            new_tokens=self.sampling.max_new_tokens,
-            max_model_len=self.engine.max_model_len,
+            max_new_tokens=self.sampling.max_new_tokens,
+            in_flight_updates=self.supports_in_flight_updates,
         )
-        return FALLBACK_KV_CACHE_BYTES if sized is None else sized
 
     @property
     def engine_pid(self) -> int | None:
@@ -202,7 +165,7 @@ class VLLMGenerator:
 
         Kills the old engine if it still runs (a timed-out one may be stuck), starts a new engine
         (waiting at most start_timeout_s) and, if `connect_weight_sync` ran before, has it rejoin the
-        same weight-sync group under the same rank (waiting at most that call's timeout_s). The new
+        same weight-sync group with the same endpoint (waiting at most its timeout_s). The new
         engine serves the checkpoint it starts from, so `policy_version` is None until a
         `receive_weights` succeeds: the trainer's first send after the engine died fails (llamarl.comm
         raises `WeightSyncError` naming this rank there), and the one after re-forms the group with the
@@ -220,21 +183,17 @@ class VLLMGenerator:
         self.num_engine_restarts += 1
         client.kill()
         # The new engine's weights are the checkpoint's, whatever the old one served.
-        self.policy_version = None
+        self._policy_version = None
         with client.log_path.open("a") as log:  # where one engine's log ends and the next begins
             log.write(f"\n[llamarl] restarting the vLLM engine (restart {self.num_engine_restarts})\n")
         client.start()
-        if self._weight_sync is not None:
-            self._join_weight_sync(self._weight_sync)
+        if self._endpoint is not None:
+            self._join_weight_sync(self._endpoint)
 
     def close(self) -> None:
         """Stops the engine process (politely, then by force after a few seconds). Idempotent."""
-        if self._client is None:
-            return
-        clean = self._client.close()
-        # A temporary log is kept when the engine did not end cleanly: it is the only trace of why.
-        if clean and self._temporary_log:
-            self._client.log_path.unlink(missing_ok=True)
+        if self._client is not None:
+            self._client.close()
 
     def _client_or_raise(self) -> EngineClient:
         if self._client is None:
@@ -244,82 +203,70 @@ class VLLMGenerator:
     # ----------------------------------------------------------------------------------------------
     # weights
 
-    def connect_weight_sync(
-        self,
-        *,
-        host: str,
-        port: int,
-        rank: int,
-        world_size: int,
-        timeout_s: float,
-        dead_after_s: float = DEAD_AFTER_S,
-        src_rank: int = 0,
-        backend: str = "gloo",
-    ) -> int:
-        """Has the engine's worker join the trainer's weight-sync group as `rank`; returns how many
-        tensors it expects. The trainer's `WeightSender` must be built at about the same time.
-        `backend` "nccl": the worker receives straight into buffers on its GPU. `restart_engine()` has a
-        new engine rejoin this group with the same arguments."""
-        arguments: dict[str, Any] = dict(
-            host=host,
-            port=port,
-            rank=rank,
-            world_size=world_size,
-            timeout_s=timeout_s,
-            dead_after_s=dead_after_s,
-            src_rank=src_rank,
-            backend=backend,
-        )
-        num_tensors = self._join_weight_sync(arguments)
-        self._weight_sync = arguments
+    def connect_weight_sync(self, endpoint: WeightSyncEndpoint) -> int:
+        """Has the engine's worker join the trainer's weight-sync group as the member `endpoint`
+        describes; returns how many tensors each sync delivers. The trainer's `WeightSender` must be
+        built at about the same time. `endpoint.backend` "nccl": the worker receives straight into
+        buffers on its GPU. `restart_engine()` has a new engine rejoin with the same endpoint."""
+        num_tensors = self._join_weight_sync(endpoint)
+        self._endpoint = endpoint
         return num_tensors
 
-    def _join_weight_sync(self, arguments: dict[str, Any]) -> int:
-        """Has the engine's worker join with `connect_weight_sync`'s arguments (kept for rejoins)."""
+    def _join_weight_sync(self, endpoint: WeightSyncEndpoint) -> int:
         # A fresh engine in a group that already ran rejoins by itself: its WeightReceiver sees the
-        # group's first generation done and asks for a new one (llamarl.comm.WeightReceiver).
-        return self._client_or_raise().call(
-            "init_weight_sync",
-            # the engine's own wait has timeout_s; this one must outlast it
-            deadline_s=arguments["timeout_s"] + 30,
-            **arguments,
-        )
+        # group's first generation done and asks for a new one (llamarl.comm.WeightReceiver). The
+        # engine's own wait has the endpoint's timeout_s; this one must outlast it.
+        request = p.InitWeightSync(endpoint=endpoint)
+        return self._client_or_raise().call(request, deadline_s=endpoint.timeout_s + 30)
 
     def receive_weights(self, timeout_s: float | None = None) -> int:
         """Has the engine receive one sync from the trainer (load, reset the prefix cache); returns and
         adopts its policy_version. On failure `policy_version` is None (the weights may be partly
         replaced) until a later call succeeds."""
         wait_s = timeout_s or self.timeout_s
-        self.policy_version = None
+        self._policy_version = None
         # The engine waits at most wait_s for the trainer; this wait outlasts it to get its error.
-        self.policy_version = int(
-            self._client_or_raise().call("receive_weights", deadline_s=wait_s + 30, timeout_s=wait_s)
-        )
-        return self.policy_version
+        received = self._client_or_raise().call(p.ReceiveWeights(timeout_s=wait_s), deadline_s=wait_s + 30)
+        self._policy_version = int(received)
+        return self._policy_version
 
-    def open_turns(self, *, greedy: bool = False, between_steps: Callable[[], None] | None = None):
+    def mark_weights_lost(self) -> None:
+        """`policy_version` is None (no generate) until a `receive_weights` succeeds."""
+        self._policy_version = None
+
+    def serve_initial_weights(self) -> None:
+        """The engine serves the checkpoint it started from (its own report says so, e.g. after a
+        restart): that is policy_version 0. Raises EngineError when the engine reports other weights."""
+        reported = self.engine_policy_version()
+        if reported != INITIAL_POLICY_VERSION:
+            raise EngineError(f"the vLLM engine serves policy_version {reported}, not its checkpoint's")
+        self._policy_version = INITIAL_POLICY_VERSION
+
+    def open_turns(
+        self, *, greedy: bool = False, between_steps: Callable[[], None] | None = None
+    ) -> EngineTurnSession:
         """Model turns of multi-turn episodes, all in flight in the engine: each turn is returned as soon
         as it ends, and the episode's next turn starts while the others decode. `between_steps` runs
         between engine calls (new weights taken in flight: later tokens are stamped with their version)."""
-        if self.policy_version is None:
-            raise WeightsNotSyncedError(
-                "the vLLM engine holds no synced weights (restarted, or its last sync failed): "
-                "receive_weights() first"
-            )
-        seed = None if self.seed is None else self.seed * 100_003 + self._num_calls
-        self._num_calls += 1
-        return _EngineTurns(self, greedy=greedy, seed=seed, between_steps=between_steps)
+        synced_version(self._policy_version, "the vLLM engine")
+        return EngineTurnSession(
+            self._client_or_raise(),
+            temperature=0.0 if greedy else self.sampling.temperature,
+            eos_token_ids=self.eos_token_ids,
+            seed=self._next_seed(),
+            between_steps=between_steps,
+        )
 
     def engine_policy_version(self) -> int | None:
         """The policy_version the engine itself reports (None after a failed sync)."""
-        return self._client_or_raise().call("weight_version")
+        return self._client_or_raise().call(p.WeightVersion())
 
     def generation_progress(self) -> tuple[list[int], list[bool]]:
         """How far the generate in flight got (callable from its `between_steps`): the tokens each
         completion sampled so far and whether it finished, as of the engine's last step; empty lists
         outside a generate. What waits on sampling progress reads it, never the clock."""
-        progress = self._client_or_raise().call("progress")
-        return progress["tokens"], progress["finished"]
+        progress: p.ProgressReply = self._client_or_raise().call(p.Progress())
+        return progress.tokens, progress.finished
 
     # ----------------------------------------------------------------------------------------------
     # sampling
@@ -333,203 +280,66 @@ class VLLMGenerator:
         greedy: bool = False,
         between_steps: Callable[[], None] | None = None,
     ) -> RolloutBatch:
-        """Samples `samples_per_prompt` completions of every prompt in one engine call.
+        """Samples `samples_per_prompt` completions of every prompt (token ids, chat template applied, no
+        padding; a prompt's completions contiguous) in one engine call. `greedy`: argmax decoding for
+        evaluation (log-probs then under softmax(z), see the module doc).
 
-        Args:
-            prompts: token ids of each prompt (chat template already applied), no padding.
-            samples_per_prompt: completions per prompt; they are contiguous in the batch.
-            max_new_tokens: completion length limit (a completion that hits it has no EOS).
-            greedy: argmax decoding for evaluation (log-probs then under softmax(z), see the module doc).
-            between_steps: called about every BETWEEN_STEPS_S while the engine samples. It may take new
-                weights in flight (`receive_weights`, directly or through the controller's receiver):
-                the engine loads them between two of its steps, the requests keep their KV cache and
-                later tokens come from the new weights. It may raise to abandon the call (the engine's
-                requests are aborted first), or raise `PauseGeneration` to end it keeping what was
-                sampled (`GenerationPaused`). Time spent in it does not count against timeout_s: its
-                calls have deadlines of their own.
+        `between_steps` is called about every BETWEEN_STEPS_S while the engine samples. It may take new
+        weights in flight (`receive_weights`, directly or through the controller's receiver): the
+        engine loads them between two of its steps, the requests keep their KV cache and later tokens
+        come from the new weights. It may raise to abandon the call (the engine's requests are aborted
+        first), or raise `PauseGeneration` to end it keeping what was sampled: `GenerationPaused` then
+        holds every completion as far as it got. Time spent in it does not count against timeout_s:
+        its calls have deadlines of their own.
 
-        Returns:
-            RolloutBatch with rewards zeros, token_version_BC the version that sampled each token and
-            policy_version_B the version of each sequence's first token.
-
-        Raises:
-            GenerationPaused: `between_steps` raised `PauseGeneration` before every completion finished;
-                it holds the completions as far as they got.
-            EngineLost: the engine died (before or during the call); `restart_engine()` replaces it.
-            WeightsNotSyncedError: `policy_version` is None (see the class doc).
+        Returns a RolloutBatch with rewards zeros, token_version_BC the version that sampled each token
+        and policy_version_B that of each sequence's first token. Raises `EngineLost` when the engine
+        died (before or during the call; `restart_engine()` replaces it), `WeightsNotSyncedError` while
+        `policy_version` is None (see the class doc).
         """
-        if not prompts or any(len(p) == 0 for p in prompts):
+        if not prompts or any(len(prompt) == 0 for prompt in prompts):
             raise ValueError("every prompt needs at least one token")
-        if self.policy_version is None:
-            # Rollouts from a restarted engine's checkpoint weights would be stamped as no policy at
-            # all; the caller must deliver the latest weights first.
-            raise WeightsNotSyncedError(
-                "the vLLM engine holds no synced weights (restarted, or its last sync failed): "
-                "receive_weights() first"
-            )
-        version_at_start = self.policy_version
-        # A fresh request seed per call (seeded runs stay reproducible, calls do not repeat each other).
-        seed = None if self.seed is None else self.seed * 100_003 + self._num_calls
-        self._num_calls += 1
-        reply = self._client_or_raise().generate(
-            dict(
-                prompts=[list(map(int, p)) for p in prompts],
-                n=samples_per_prompt,
-                max_tokens=max_new_tokens,
-                temperature=0.0 if greedy else self.sampling.temperature,
-                stop_token_ids=self.eos_token_ids,
-                seed=seed,
-            ),
-            between_steps,
+        version_at_start = synced_version(self._policy_version, "the vLLM engine")
+        request = p.Generate(
+            prompts=[list(map(int, prompt)) for prompt in prompts],
+            n=samples_per_prompt,
+            max_tokens=max_new_tokens,
+            temperature=0.0 if greedy else self.sampling.temperature,
+            stop_token_ids=self.eos_token_ids,
+            seed=self._next_seed(),
         )
-        # The engine reports the version it served when the generate ended. A sync taken in flight may
-        # complete after that (the engine ends the generate, replies, then loads the weights the
-        # generator asked for meanwhile), so the generator can hold a newer version than the reply: any
-        # version from the call's start to now is the engine's own; anything else is not.
-        served, now = reply["policy_version"], self.policy_version
-        if served is None or now is None or not version_at_start <= served <= now:
-            raise EngineError(
-                f"the engine served policy_version {served}, the generator expects {version_at_start}"
-                + ("" if now == version_at_start else f" to {now}")
-            )
-        token_ids, logprobs, versions = reply["token_ids"], reply["logprobs"], reply["token_versions"]
-        num_sequences = len(prompts) * samples_per_prompt
-        assert len(token_ids) == num_sequences, (len(token_ids), num_sequences)
-        prompt_ids_BP, prompt_mask_BP = left_pad(
-            [p for p in prompts for _ in range(samples_per_prompt)], self.pad_token_id
+        reply = self._client_or_raise().generate(request, between_steps)
+        _check_served(reply.policy_version, version_at_start, now=self._policy_version)
+        batch = rollout_batch(
+            reply,
+            prompts,
+            samples_per_prompt=samples_per_prompt,
+            eos_token_ids=self.eos_token_ids,
+            pad_token_id=self.pad_token_id,
+            version_at_start=version_at_start,
         )
-        completion_ids_BC = right_pad(token_ids, self.pad_token_id, torch.int64)
-        length = completion_ids_BC.shape[1]
-        behavior_logprobs_BC = right_pad(logprobs, 0.0, torch.float32)
-        # The engine stamps a token None only if sampled after a failed sync, and then fails the call
-        # instead of returning it.
-        token_version_BC = right_pad(versions, 0, torch.int64)
-        assert behavior_logprobs_BC.shape == token_version_BC.shape == completion_ids_BC.shape
-        # vLLM stops at the first EOS and keeps it; the mask also stops at the first EOS, so a padding
-        # id equal to EOS (SmolLM2) is never mistaken for a sampled token.
-        lengths_B = torch.tensor([len(t) for t in token_ids])
-        completion_mask_BC = (torch.arange(length)[None, :] < lengths_B[:, None]).long()
-        completion_mask_BC &= completion_mask(completion_ids_BC, self.eos_token_ids)
-        behavior_logprobs_BC = behavior_logprobs_BC.masked_fill(completion_mask_BC == 0, 0.0)
-        token_version_BC = token_version_BC * completion_mask_BC
-        # The version of each sequence's first token (an empty completion: the version at the start).
-        policy_version_B = torch.tensor(
-            [vs[0] if vs else version_at_start for vs in versions], dtype=torch.int64
-        )
-
-        batch = RolloutBatch(
-            prompt_ids_BP=prompt_ids_BP,
-            prompt_mask_BP=prompt_mask_BP,
-            completion_ids_BC=completion_ids_BC,
-            completion_mask_BC=completion_mask_BC,
-            behavior_logprobs_BC=behavior_logprobs_BC,
-            rewards_B=torch.zeros(num_sequences, dtype=torch.float32),
-            policy_version_B=policy_version_B,
-            token_version_BC=token_version_BC,
-            group_size=samples_per_prompt,
-        )
-        finished_B = torch.tensor(reply.get("finished", [True] * num_sequences), dtype=torch.bool)
-        if reply.get("paused") and not bool(finished_B.all()):
+        finished_B = torch.tensor(reply.finished, dtype=torch.bool)
+        if reply.paused and not bool(finished_B.all()):
             raise GenerationPaused(batch, finished_B)
         return batch
 
-
-# Tokens a prompt may take (chat template, earlier turns) when the KV cache is sized for a run. A run whose
-# sequences need more still runs: vLLM then preempts sequences and recomputes them later.
-PROMPT_TOKENS_ALLOWANCE = 1024
-# A config that does not give the attention's shapes (the sizes a KV cache is made of): 1 GiB.
-FALLBACK_KV_CACHE_BYTES = 1 << 30
-
-
-def kv_cache_bytes(
-    model_config: dict, *, dtype: str, sequences: int, new_tokens: int, max_model_len: int | None
-) -> int | None:
-    """Bytes of KV cache for `sequences` sequences of PROMPT_TOKENS_ALLOWANCE + `new_tokens` tokens, and
-    at least for one of the engine's longest (`max_model_len`, else the model's: vLLM refuses to start
-    otherwise), with 10% over for vLLM's rounding to whole blocks. `model_config`: the model folder's
-    config.json; a token takes keys and values of every layer's KV heads, in `dtype` (a torch dtype's
-    name). None when the config lacks the layer count or the head count."""
-    if not {"num_hidden_layers", "num_attention_heads"} <= model_config.keys():
-        return None
-    heads = model_config["num_attention_heads"]
-    kv_heads = model_config.get("num_key_value_heads") or heads
-    head_dim = model_config.get("head_dim") or model_config.get("hidden_size", 0) // heads
-    if not head_dim:
-        return None
-    per_token = 2 * model_config["num_hidden_layers"] * kv_heads * head_dim * dtype_from_str(dtype).itemsize
-    longest = max_model_len or model_config.get("max_position_embeddings", 0)
-    tokens = max(sequences * (PROMPT_TOKENS_ALLOWANCE + new_tokens), longest)
-    return int(tokens * per_token * 1.1)
+    def _next_seed(self) -> int | None:
+        """A fresh request seed per call: seeded runs stay reproducible, calls do not repeat each other."""
+        seed = None if self.seed is None else self.seed * 100_003 + self._num_calls
+        self._num_calls += 1
+        return seed
 
 
-def _special_tokens(model_dir: Path) -> tuple[list[int], int]:
-    """(eos ids, pad id) from the folder's generation_config.json / config.json, as HFGenerator picks them."""
-    if not model_dir.is_dir():
-        raise ValueError(f"the vllm generator serves a local model folder; {model_dir} is not one")
-    paths = (model_dir / "generation_config.json", model_dir / "config.json")
-    configs = [json.loads(p.read_text()) for p in paths if p.is_file()]
-    eos = next((c["eos_token_id"] for c in configs if c.get("eos_token_id") is not None), None)
-    if eos is None:
-        raise ValueError(f"{model_dir}: the model defines no eos token")
-    eos_ids = [eos] if isinstance(eos, int) else list(eos)
-    pad = next((c["pad_token_id"] for c in configs if c.get("pad_token_id") is not None), None)
-    return eos_ids, eos_ids[0] if pad is None else int(pad)
+def _check_served(served: int | None, version_at_start: int, *, now: int | None) -> None:
+    """Raises EngineError unless the version an engine served at the end of a generate is its own: any
+    from the call's start (`version_at_start`) to the generator's `now`.
 
-
-class _EngineTurns:
-    """`TurnSession` over the engine's turns_add / turns_wait / turns_abort (see `open_turns`)."""
-
-    def __init__(
-        self,
-        generator: VLLMGenerator,
-        *,
-        greedy: bool,
-        seed: int | None,
-        between_steps: Callable[[], None] | None,
-    ) -> None:
-        self.generator = generator
-        self.greedy = greedy
-        self.seed = seed
-        self.between_steps = between_steps
-        self.new: list[list[Any]] = []
-        self.running = 0
-
-    def submit(self, key: int, prompt_ids: list[int], max_new_tokens: int) -> None:
-        self.new.append([int(key), [int(t) for t in prompt_ids], int(max_new_tokens)])
-
-    def wait(self) -> list[TurnOutput]:
-        client = self.generator._client_or_raise()
-        eos = set(self.generator.eos_token_ids)
-        if self.new:
-            temperature = 0.0 if self.greedy else self.generator.sampling.temperature
-            client.call(
-                "turns_add",
-                requests=self.new,
-                temperature=temperature,
-                stop_token_ids=self.generator.eos_token_ids,
-                seed=self.seed,
-            )
-            self.running += len(self.new)
-            self.new = []
-        while self.running:
-            done = client.call("turns_wait", max_s=BETWEEN_STEPS_S)
-            if done:
-                self.running -= len(done)
-                return [
-                    TurnOutput(
-                        key=int(turn["key"]),
-                        token_ids=turn["token_ids"],
-                        logprobs=turn["logprobs"],
-                        versions=[int(v) for v in turn["versions"]],
-                        ended=bool(turn["token_ids"]) and turn["token_ids"][-1] in eos,
-                    )
-                    for turn in done
-                ]
-            if self.between_steps is not None:
-                self.between_steps()
-        return []
-
-    def close(self) -> None:
-        if self.running or self.new:
-            self.new, self.running = [], 0
-            self.generator._client_or_raise().call("turns_abort")
+    The generator can hold a newer version than the reply: a sync taken in flight may complete after
+    the generate ended (the engine ends the generate, replies, then loads the weights the generator
+    asked for meanwhile).
+    """
+    if served is None or now is None or not version_at_start <= served <= now:
+        raise EngineError(
+            f"the engine served policy_version {served}, the generator expects {version_at_start}"
+            + ("" if now == version_at_start else f" to {now}")
+        )

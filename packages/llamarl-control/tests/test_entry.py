@@ -1,0 +1,86 @@
+"""What `llamarl.control.entry` settles before any rank starts: the evaluation's size against the test
+split, the completion budget against the model's context, and where a task given in code is recorded so
+that its run's config.toml reruns it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+
+import pytest
+
+from llamarl.control.cli import parse_run_config
+from llamarl.control.config import ConfigError, replace_in
+from llamarl.control.entry import check_context, configure, fit_eval_size
+from llamarl.control.launch.output_dir import write_resolved_config
+from llamarl.control.tasks.registry import task_origin
+
+SCRIPT_TASK = """
+from llamarl.control import Task
+
+def exact(prompt, completion, row):
+    return float(completion.strip() == row["word"])
+
+TASK = Task(name="echo_{n}", rows={{"train": [{{"word": "a"}}], "test": [{{"word": "b"}}]}},
+            prompt="Say {{word}}.", rewards=[exact])
+"""
+
+
+def test_a_default_evaluation_larger_than_the_test_split_shrinks_to_it_with_a_note(caplog):
+    config = parse_run_config([], task="arith", prog="arith_rl", description="")
+    assert config.eval.size == 16
+    with caplog.at_level("WARNING"):
+        fitted = fit_eval_size(config, 2, given=False)
+    assert fitted.eval.size == 2
+    assert caplog.messages == [
+        "the test split has 2 rows: evaluating on all of them (--eval-size 16 by default)"
+    ]
+    assert fit_eval_size(config, 100, given=False) is config  # it fits: nothing to say
+
+
+def test_an_evaluation_size_the_user_gave_that_the_split_cannot_hold_is_one_line():
+    config = parse_run_config(["--eval-size", "5"], task="arith", prog="arith_rl", description="")
+    with pytest.raises(ConfigError, match=r"^--eval-size 5 is larger than the test split \(2 rows\)$"):
+        fit_eval_size(config, 2, given=True)
+
+
+def test_a_completion_budget_beyond_the_models_context_is_one_line(tiny_chat_model_dir):
+    config = parse_run_config(
+        ["--model", str(tiny_chat_model_dir)], task="arith", prog="arith_rl", description=""
+    )
+    check_context(config)  # the default fits
+    too_long = replace_in(config, **{"sampling.max_new_tokens": 1_000_000})
+    with pytest.raises(
+        ConfigError, match=r"^--max-new-tokens 1000000 does not fit the model's context of \d+"
+    ):
+        check_context(too_long)
+
+
+def test_a_script_task_is_recorded_by_its_file_and_its_config_reruns_it_from_anywhere(tmp_path):
+    script = tmp_path / "echo_task.py"
+    script.write_text(SCRIPT_TASK.format(n=tmp_path.name[-6:]))
+    sys.path.insert(0, str(tmp_path))
+    try:
+        module = __import__("echo_task")
+        config, task = configure(module.TASK, ["--output-dir", str(tmp_path / "out")])
+    finally:
+        sys.path.remove(str(tmp_path))
+    assert task is module.TASK and task_origin(task.name) == "echo_task:TASK"
+    (tmp_path / "out").mkdir()
+    write_resolved_config(config)
+    written = tomllib.loads((tmp_path / "out" / "config.toml").read_text())
+    assert written["task"] == {"name": task.name, "module": "echo_task:TASK"}
+    # A fresh process that never saw the task: the file alone names it (with the script's folder on the
+    # path, as `uv run apps/task_rl` from that folder has it).
+    check = (
+        "from llamarl.control.entry import configure;"
+        f"config, task = configure(None, ['--config', {str(tmp_path / 'out' / 'config.toml')!r}]);"
+        "print(task.name, task.prompt)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", check], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        env={**__import__("os").environ, "PYTHONPATH": str(tmp_path)},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == f"{task.name} Say {{word}}."
