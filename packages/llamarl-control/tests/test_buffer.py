@@ -12,6 +12,7 @@ import types
 import pytest
 import torch
 
+from llamarl.control.run import legacy_checkpoints
 from llamarl.control.run.channels import buffer as buffer_module
 from llamarl.control.run.channels.buffer import BufferClosed, BufferTimeout, RolloutBuffer
 from llamarl.exec.types import RolloutBatch
@@ -318,6 +319,6 @@ def test_a_checkpoint_from_before_tickets_restores_its_groups_in_arrival_order()
         "counts": {"received": 5, "dropped_stale": 1, "taken": 2, "markers": 1},
     }
     buffer = RolloutBuffer(capacity_groups=4, max_policy_lag=1)
-    buffer.restore(old_state)
+    buffer.restore(legacy_checkpoints.buffer_state(old_state))
     buffer.put(groups(9), timeout_s=WAIT_S)
     assert tags(buffer.take(3, current_version=0, timeout_s=WAIT_S)) == [7, 8, 9]

@@ -1,6 +1,7 @@
 """The schedules, run with fake executors in one process: the order of events of every mode.
 
-The loops are the real `GeneratorLoop` and `TrainerLoop`; only the model work is faked (a generator
+The loops are the real `GeneratorLoop` and `TrainerLoop` (in stream mode driven by the real
+`GeneratorStream` and `TrainerIntake`); only the model work is faked (a generator
 that stamps versions, a trainer that counts steps, weights that are just a version number), so each
 test asserts what a mode promises: which policy version sampled what the trainer learns from.
 """
@@ -14,13 +15,16 @@ import time
 
 import pytest
 import torch
+from memory_store import DictStore
 
 from llamarl.control.config import ScheduleConfig
 from llamarl.control.outputs.timeline import Timeline
 from llamarl.control.run.channels.buffer import RolloutBuffer
-from llamarl.control.run.channels.stream import RolloutOutbox, StreamControl, drain_into_buffer
+from llamarl.control.run.channels.stream import PauseServer, RolloutOutbox, StreamControl
 from llamarl.control.run.generator_loop import GeneratorLoop
-from llamarl.control.run.schedule import lockstep_ticks, stream_admits
+from llamarl.control.run.generator_stream import GeneratorStream
+from llamarl.control.run.schedule import PausePlan, lockstep_ticks, stream_admits
+from llamarl.control.run.trainer_intake import TrainerIntake
 from llamarl.control.run.trainer_loop import PolicyLagError, TrainerLoop
 from llamarl.control.tasks.prompts import PromptStream
 from llamarl.exec.config import SamplingConfig
@@ -142,44 +146,6 @@ class WeightLink:
         return version
 
 
-class DictStore:
-    """A thread-safe key-value store with torch.distributed.Store's set/get/check."""
-
-    def __init__(self) -> None:
-        self._data: dict[str, bytes] = {}
-        self._lock = threading.Lock()
-
-    def set(self, key: str, value: str | bytes) -> None:
-        with self._lock:
-            self._data[key] = value.encode() if isinstance(value, str) else value
-
-    def get(self, key: str) -> bytes:
-        with self._lock:
-            return self._data[key]
-
-    def check(self, keys: list[str]) -> bool:
-        with self._lock:
-            return all(k in self._data for k in keys)
-
-    def add(self, key: str, amount: int) -> int:
-        with self._lock:
-            value = int(self._data.get(key, b"0")) + amount
-            self._data[key] = str(value).encode()
-            return value
-
-    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
-        """As torch's stores: sets `desired` if the value is `expected` ("": no value); returns the
-        value after."""
-        with self._lock:
-            if self._data.get(key, b"") == expected.encode():
-                self._data[key] = desired.encode()
-            return self._data[key]
-
-    def delete_key(self, key: str) -> bool:
-        with self._lock:
-            return self._data.pop(key, None) is not None
-
-
 class FakePrompts:
     """Prompt i is the token [i]; the first sample of each group decodes to its prompt index."""
 
@@ -248,9 +214,8 @@ def run_lockstep(mode: str, steps: int, generator: GeneratorLoop, trainer: Train
             if phase.name == "generate":
                 pending = generator.make_batch(tick.index)
             elif phase.name == "move_rollouts":
-                batch, metrics = pending
-                trainer.generator_stats.update(0, metrics)
-                received, pending = batch, None
+                trainer.generator_stats.update(0, pending.metrics)
+                received, pending = pending.batch, None
             elif phase.name == "sync_weights":
                 trainer.send_weights()
                 generator.receive_weights()
@@ -321,7 +286,8 @@ def test_an_async_run_generates_alone_first_and_trains_alone_last():
 def test_dynamic_sampling_refills_the_batch_with_groups_that_have_reward_variance():
     events: list[str] = []
     generator, trainer, _ = make_loops(events, dynamic_sampling=True)
-    batch, metrics = generator.make_batch(0)
+    made = generator.make_batch(0)
+    batch, metrics = made.batch, made.metrics
     # Even prompts' groups have equal rewards (dropped), odd ones' do not (kept); each further round
     # samples only as many prompts as the batch still lacks.
     assert events == ["generate [0, 1] v0", "generate [2] v0", "generate [3] v0"]
@@ -335,11 +301,12 @@ def test_dynamic_sampling_refills_the_batch_with_groups_that_have_reward_varianc
 def test_dynamic_sampling_gives_up_after_max_rounds_and_tops_up():
     events: list[str] = []
     generator, _, _ = make_loops(events, dynamic_sampling=True, prompts_per_step=1, max_rounds=2)
-    batch, metrics = generator.make_batch(0)  # prompts 0 then 1: only prompt 1's group is kept
+    batch = generator.make_batch(0).batch  # prompts 0 then 1: only prompt 1's group is kept
     assert batch.prompt_ids_BP[:, 0].tolist() == [1, 1]
     generator.prompts.position = 10  # now prompts 20 and 22: both even, so both groups are flat
     generator.prompts.order = [i * 2 for i in range(100)]
-    batch, metrics = generator.make_batch(1)
+    made = generator.make_batch(1)
+    batch, metrics = made.batch, made.metrics
     # Three flat groups were sampled in all (0, 20, 22); 20 tops the batch up and is trained on, so only
     # the other two count as filtered.
     assert batch.num_sequences == 2 and metrics["filtered_total"] == 2
@@ -364,81 +331,61 @@ def run_stream(
     buffer_groups: int,
     checkpoint_every: int = 0,
     on_checkpoint=None,
-    buffer: RolloutBuffer | None = None,
+    restored: dict | None = None,
     first_step: int = 0,
     control: StreamControl | None = None,
     generators_done=contextlib.nullcontext,
 ):
-    """Both loops of a stream run on their own threads, joined by a real buffer, outbox and drain.
+    """Both loops of a stream run on their own threads, joined by a real intake (buffer and receiving
+    thread) and outbox; returns (every step's record, the buffer, the intake).
 
     With `checkpoint_every` the trainer pauses the run after those steps as the trainer side does
-    (markers first, the buffer holding what arrives) and calls `on_checkpoint(version, buffer)` while
-    the generator is paused too (its `on_checkpoint_generator` part runs first, in its own thread).
+    (markers first, the buffer holding what arrives) and calls `on_checkpoint(version, intake)` while
+    the generator is paused too (its part, `on_checkpoint(version, None)`, runs first, in its own
+    thread). `restored`: the intake's state of a checkpoint, put back before the stream starts.
     """
     link.threaded = True
     generator.schedule = generator.schedule.model_copy(update={"steps": steps})  # as the run's config says
     control = control or StreamControl(DictStore())
-    if buffer is None:  # (not `buffer or`: an empty buffer is falsy)
-        buffer = RolloutBuffer(
-            capacity_groups=buffer_groups, max_policy_lag=trainer.max_policy_lag, ticket_of=control.ticket_of
-        )
     paused = threading.Barrier(2, timeout=10)  # the generator stays paused while the trainer saves
+    wire: queue.Queue = queue.Queue(maxsize=1)  # a send blocks until the trainer side receives
 
-    def after_step(version: int) -> None:
-        if checkpoint_every and version % checkpoint_every == 0:
-            markers = buffer.counts.markers + 1
-            buffer.hold(True)
-            control.request_pause("checkpoint", version)
-            buffer.wait_for_markers(markers, timeout_s=10)
-            on_checkpoint(version, buffer)
-            paused.wait()
-            buffer.hold(False)
+    def trainer_pause(pause) -> None:
+        on_checkpoint(pause.policy_version, intake)
+        paused.wait()
 
-    def on_pause(pause) -> None:
+    intake = TrainerIntake(
+        control=control,
+        buffer=RolloutBuffer(
+            capacity_groups=buffer_groups, max_policy_lag=trainer.max_policy_lag, ticket_of=control.ticket_of
+        ),
+        generators=[0],
+        receive=lambda g: wire.get(timeout=10),
+        stats=trainer.generator_stats,
+        send_weights=trainer.send_weights,
+        pauses=PauseServer(trainer_pause),
+        plan=PausePlan(eval_every=0, checkpoint_every=checkpoint_every, steps=steps),
+        prompts_per_step=2,
+        timeout_s=10,
+    )
+    if restored is not None:
+        intake.restore(restored)
+
+    def generator_pause(pause) -> None:
         on_checkpoint(pause.policy_version, None)
         paused.wait()
 
-    wire: queue.Queue = queue.Queue(maxsize=1)  # a send blocks until the trainer side receives
     outbox = RolloutOutbox(lambda b, m: wire.put((b, m)), timeout_s=10)
+    stream = GeneratorStream(generator, control, outbox, in_flight=True, on_pause=generator_pause)
+    thread = threading.Thread(target=stream.run)
+    thread.start()
     records: list[dict] = []
-    drained: list[int] = []
-    threads = [
-        threading.Thread(target=lambda: generator.stream(control, outbox, in_flight=True, on_pause=on_pause)),
-        threading.Thread(
-            target=lambda: drained.append(
-                drain_into_buffer(
-                    buffer,
-                    lambda: wire.get(timeout=10),
-                    lambda metrics: trainer.generator_stats.update(0, metrics),
-                    timeout_s=10,
-                )
-            )
-        ),
-    ]
-    for t in threads:
-        t.start()
-
-    def take() -> RolloutBatch:
-        consumed = buffer.counts.taken + buffer.counts.dropped_stale
-        batch = buffer.take(2, current_version=trainer.policy_version, timeout_s=10)
-        control.consumed(buffer.counts.taken + buffer.counts.dropped_stale - consumed)
-        return batch
-
-    trainer.stream(
-        steps=steps,
-        take=take,
-        relay=lambda b: b,
-        control=control,
-        on_step=lambda record, whole: records.append(record),
-        first_step=first_step,
-        after_step=after_step,
-        generators_done=generators_done,
-    )
-    buffer.close()
-    for t in threads:
-        t.join(10)
-        assert not t.is_alive()
-    return records, buffer, drained
+    trainer.on_step = lambda record, whole: records.append(record)
+    trainer.generators_done = generators_done
+    trainer.stream(intake, steps=steps, first_step=first_step)
+    thread.join(10)
+    assert not thread.is_alive()
+    return records, intake.buffer, intake
 
 
 def test_stream_admission_holds_a_fast_generator_back_so_no_group_goes_stale():
@@ -455,7 +402,7 @@ def test_stream_admission_holds_a_fast_generator_back_so_no_group_goes_stale():
     assert max(r["policy/lag"] for r in records) <= 1
     # Ahead of the trainer the generator only started what the lag bound lets it train on, and nothing
     # past the run's last step (one batch a request here).
-    assert generator.requests == 6
+    assert generator.work.requests == 6
     assert buffer.counts.received == 6 * 2 + len(buffer)
     assert generator.policy_version == 6  # took the final weights before stopping
 
@@ -492,7 +439,7 @@ def test_a_streams_last_step_trains_once_the_generators_are_done():
     borrowed = events[events.index("borrow") : events.index("give back")]
     assert len(borrowed) == 2 and borrowed[1].startswith("train") and borrowed[1].endswith("-> v3")
     assert events.count("borrow") == 1
-    assert generator.requests == 3  # nothing sampled past the last step
+    assert generator.work.requests == 3  # nothing sampled past the last step
 
 
 def test_admission_stops_at_the_runs_last_step():
@@ -679,16 +626,14 @@ def test_a_stream_checkpoint_is_a_consistent_cut_that_a_resumed_run_continues_wi
     # A slow generator (3 decoding steps of 20 ms): pauses land in the middle of requests.
     generator, trainer, link = make_loops(events, max_policy_lag=1, generator_step_s=0.02)
     cuts: dict[int, dict] = {}
-    control = StreamControl(DictStore())
 
-    def on_checkpoint(version: int, buffer: RolloutBuffer | None) -> None:
+    def on_checkpoint(version: int, intake: TrainerIntake | None) -> None:
         cut = cuts.setdefault(version, {})
-        if buffer is None:  # the generator's part
-            cut["generator"] = generator.stream_state()
+        if intake is None:  # the generator's part
+            cut["generator"] = generator.work.state()
             cut["prompt_position"] = generator.prompts.position
         else:
-            cut["buffer"] = buffer.state()
-            cut["admission"] = control.counts()
+            cut["intake"] = intake.state()
             cut["trained"] = [int(p) for b in trainer.trainer.trained for p in b.prompt_ids_BP[::2, 0]]
 
     run_stream(
@@ -699,16 +644,20 @@ def test_a_stream_checkpoint_is_a_consistent_cut_that_a_resumed_run_continues_wi
         buffer_groups=4,
         checkpoint_every=1,
         on_checkpoint=on_checkpoint,
-        control=control,
     )
     assert sorted(cuts) == [1, 2, 3, 4, 5]
-    paused_mid_request = [v for v, c in cuts.items() if c["generator"]["in_flight"] is not None]
+    paused_mid_request = [
+        v for v, c in cuts.items() if c["generator"]["request"] and c["generator"]["request"]["in_flight"]
+    ]
     assert paused_mid_request, "no pause caught the generator in the middle of a request"
     for version, cut in cuts.items():
-        buffered = [int(t["prompt_ids_BP"][0, 0]) for _, t, _ in cut["buffer"]["groups"]]
-        in_hand = list(cut["generator"]["request"] or [])
-        if cut["generator"]["undelivered"] is not None:
-            in_hand += cut["generator"]["undelivered"][0]["prompt_position_B"][::2].tolist()
+        buffered = [int(g["prompt_ids_BP"][0, 0]) for g in cut["intake"]["buffer"]["groups"].values()]
+        in_hand = []
+        request = cut["generator"]["request"]
+        if request is not None and request["made"] is None:
+            in_hand += request["positions"]
+        elif request is not None:
+            in_hand += request["made"]["batch"]["prompt_position_B"][::2].tolist()
         everywhere = cut["trained"] + buffered + in_hand
         assert sorted(everywhere) == list(range(cut["prompt_position"])), (
             version,
@@ -722,15 +671,9 @@ def test_a_stream_checkpoint_is_a_consistent_cut_that_a_resumed_run_continues_wi
     events2: list[str] = []
     generator2, trainer2, link2 = make_loops(events2, max_policy_lag=1, generator_step_s=0.02)
     generator2.prompts.position = cut["prompt_position"]
-    generator2.restore_stream_state(cut["generator"])
+    generator2.work.restore(cut["generator"])
     generator2.generator.policy_version = trainer2.trainer.policy_version = 3
-    control2 = StreamControl(DictStore())
-    control2.restore_counts(cut["admission"])
-    buffer2 = RolloutBuffer(capacity_groups=4, max_policy_lag=1, ticket_of=control2.ticket_of)
-    buffer2.restore(cut["buffer"])
-    run_stream(
-        generator2, trainer2, link2, steps=6, buffer_groups=4, buffer=buffer2, first_step=3, control=control2
-    )
+    run_stream(generator2, trainer2, link2, steps=6, buffer_groups=4, restored=cut["intake"], first_step=3)
     resumed = [int(p) for b in trainer2.trainer.trained for p in b.prompt_ids_BP[::2, 0]]
     trained = cut["trained"] + resumed
     assert len(trained) == len(set(trained)) == 6 * 2  # steps 1-3 before, 4-6 after: each prompt once
@@ -752,7 +695,7 @@ def test_a_generator_that_sees_the_stop_first_still_takes_the_last_sync():
     control.stop()  # before this generator looked at the control even once
     sent: list = []
     outbox = RolloutOutbox(lambda batch, metrics: sent.append(batch), timeout_s=10)
-    generator.stream(control, outbox, in_flight=True)
+    GeneratorStream(generator, control, outbox, in_flight=True).run()
     assert generator.policy_version == 1
     assert sent == [None]  # nothing sampled after the stop; the end of the stream delivered
 
@@ -769,6 +712,6 @@ def test_a_generator_two_syncs_behind_takes_both_in_order():
         control.announce()
     control.stop()
     outbox = RolloutOutbox(lambda batch, metrics: None, timeout_s=10)
-    generator.stream(control, outbox, in_flight=True)
+    GeneratorStream(generator, control, outbox, in_flight=True).run()
     assert generator.policy_version == 2
     assert link._to_generator.empty()  # nothing left unreceived

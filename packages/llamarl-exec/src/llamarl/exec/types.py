@@ -83,6 +83,16 @@ class RolloutBatch:
         present)."""
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "group_size"}
 
+    def state(self) -> dict[str, torch.Tensor | int]:
+        """What a checkpoint keeps of the batch: its tensors by name, and `group_size` (plain values that
+        torch.save writes without pickling a class of ours); `from_state` reads it back."""
+        return {**self.tensors(), "group_size": self.group_size}
+
+    @classmethod
+    def from_state(cls, state: dict[str, torch.Tensor | int]) -> RolloutBatch:
+        """The batch that `state()` described."""
+        return cls(**state)  # type: ignore[arg-type]
+
 
 @dataclass(frozen=True)
 class TurnOutput:

@@ -6,10 +6,11 @@ A checkpoint is a folder OUTPUT_DIR/checkpoints/step_NNNNNNNN (NNNNNNNN = policy
   `get_state_dict` / `set_state_dict`, saved from every trainer rank over the trainer group: a plain
   module and an FSDP2-sharded one are handled alike, so the checkpoint is sharded when the trainer is;
 - `rank{r}.pt` for every rank r: its RNG states (torch CPU and CUDA, Python `random`, NumPy; on a
-  generator the torch state is the sampling RNG) and whatever per-rank state the controller adds
-  (e.g. a generator's rollouts made but not yet sent, its samples file length);
-- `controller.json`, from the logging rank: the tick to resume at, policy_version, metrics history,
-  evaluation history, W&B run id, lengths of the append-only logs;
+  generator the torch state is the sampling RNG) and its side's state (each side's `*RankState`, e.g. a
+  generator's rollouts made but not yet sent, its samples file length), in format `RANK_STATE_FORMAT`;
+- `controller.json`, from the logging rank: the tick to resume at, policy_version, the settings that
+  must match, and the run's state (metrics history, evaluation history, W&B run id, lengths of the
+  append-only logs: `TrainerRunState`);
 - `manifest.json`: every file above with its size and SHA-256;
 - `complete`: written last.
 
@@ -50,6 +51,9 @@ COMPLETE = "complete"
 MANIFEST = "manifest.json"
 CONTROLLER_STATE = "controller.json"
 TRAINER_DIR = "trainer"  # the DCP folder (model + optimizer)
+# The format of the sides' states in rank{r}.pt (older ones are read by
+# llamarl.control.run.legacy_checkpoints; controller.json kept its keys).
+RANK_STATE_FORMAT = 2
 _PREFIX = "step_"
 _TMP_SUFFIX = ".tmp"
 
@@ -407,7 +411,9 @@ class Resume:
     """The checkpoint a run continues from, as this rank sees it."""
 
     found: Found
-    run_state: dict[str, Any]  # controller.json: the tick to resume at, policy_version, histories
+    tick: int  # the tick (stream mode: the step) to resume at
+    policy_version: int
+    run_state: dict[str, Any]  # controller.json: the run's state (histories, log lengths)
     rank_state: dict[str, Any]  # this rank's rank{r}.pt (RNG states under "rng")
 
 
@@ -442,7 +448,11 @@ class RunCheckpoints:
                     f"this run has {self.settings[key]!r}"
                 )
         return Resume(
-            found=found, run_state=run_state, rank_state=load_rank_state(found, self.rank, self.world_size)
+            found=found,
+            tick=run_state["tick"],
+            policy_version=run_state["policy_version"],
+            run_state=run_state,
+            rank_state=load_rank_state(found, self.rank, self.world_size),
         )
 
     def save(
@@ -457,7 +467,7 @@ class RunCheckpoints:
         before_commit: Callable[[], None] | None = None,
     ) -> Path:
         """Writes checkpoint `policy_version` (collective over every rank). `run_state` comes from rank 0
-        only; the tick to resume at and the settings are added to it here."""
+        only; the tick to resume at and the settings are added to it here, the format to `rank_state`."""
         if run_state is not None:
             run_state = {
                 **run_state,
@@ -467,7 +477,7 @@ class RunCheckpoints:
             }
         return self.writer.save(
             policy_version,
-            rank_state=rank_state,
+            rank_state={**rank_state, "format": RANK_STATE_FORMAT},
             trainer=trainer,
             trainer_group=trainer_group,
             controller_state=run_state,

@@ -10,25 +10,28 @@ the held-out questions in evaluations. Weights arrive straight from the trainer 
 
 from __future__ import annotations
 
-from typing import Any, TextIO
+from typing import TextIO
 
 import torch
 import torch.distributed as dist
 
 from llamarl.comm import WeightSyncEndpoint
+from llamarl.control.config import RunConfig
 from llamarl.control.launch.devices import generation_dtype
 from llamarl.control.run import checkpoint as ckpt
-from llamarl.control.run.channels.rollouts import send_rollouts
+from llamarl.control.run.channels.rollouts import PendingBatch, send_rollouts
 from llamarl.control.run.channels.stream import RolloutOutbox, StreamControl
 from llamarl.control.run.channels.weights import FIRST_TRAINER_RANK
 from llamarl.control.run.generator_loop import GeneratorLoop
+from llamarl.control.run.generator_stream import GeneratorStream
+from llamarl.control.run.rank_states import GeneratorRankState
 from llamarl.control.run.sampler import EpisodeSetup, TaskSampler
 from llamarl.control.run.schedule import Tick
 from llamarl.control.run.side import Side
 from llamarl.control.tasks.prompts import PromptStream, TaskPrompts
 from llamarl.exec import HFGenerator, ProcessRewarder, VLLMGenerator
 from llamarl.exec.reward.model import build_model_rewarder
-from llamarl.exec.types import Generator, RolloutBatch
+from llamarl.exec.types import Generator
 
 EVAL_CHUNK = 32  # prompts per greedy generate call during evaluation
 
@@ -43,6 +46,18 @@ class GeneratorSide(Side):
     rewarder: ProcessRewarder | None = None
     reward_model = None  # the reward model, when colocated (no reward ranks)
     samples: TextIO | None = None
+    train_prompts: TaskPrompts
+    eval_prompts: TaskPrompts
+    episodes: EpisodeSetup | None  # a multi-turn task's environments (None: single-turn)
+    eval_sampler: TaskSampler
+    loop: GeneratorLoop  # built with the channels
+
+    def __init__(
+        self, config: RunConfig, train_examples: list[dict], eval_examples: list[dict], *, rank: int
+    ) -> None:
+        super().__init__(config, train_examples, eval_examples, rank=rank)
+        self.reward_rank = config.reward_rank_of(rank)  # where this rank's batches go to be scored
+        self._pending: PendingBatch | None = None  # async mode: the batch made, not yet sent
 
     @property
     def generator_index(self) -> int:
@@ -58,7 +73,6 @@ class GeneratorSide(Side):
             self.rewarder = ProcessRewarder(self.task.reward_functions, self.config.reward)
             self.rewarder.setup()
         cfg = self.config
-        self.reward_rank = cfg.reward_rank_of(self.rank)  # where this rank's batches go to be scored
         if cfg.reward_model.path is not None and self.reward_rank is None:
             self.reward_model = build_model_rewarder(cfg.reward_model, rank_device=str(self.device))
             self.reward_model.setup()
@@ -72,7 +86,6 @@ class GeneratorSide(Side):
             sampling=self.config.sampling,
             episodes=self.episodes,
         )
-        self._pending: tuple[RolloutBatch, dict[str, float]] | None = None  # made, not yet sent
 
     def _episode_setup(self) -> EpisodeSetup | None:
         """What multi-turn sampling needs, for a task with tools or an environment (else None)."""
@@ -120,7 +133,7 @@ class GeneratorSide(Side):
         self.generator.connect_weight_sync(endpoint)
         samples_path = self.output_dir / f"samples.rank{self.rank}.jsonl"
         if self.resumed is not None:  # lines written after the checkpoint are made again, so cut them
-            ckpt.truncate(samples_path, self.resumed.rank_state["samples_bytes"])
+            ckpt.truncate(samples_path, GeneratorRankState.from_dict(self.resumed.rank_state).samples_bytes)
         self.samples = samples_path.open("a", encoding="utf-8")
         self.loop = GeneratorLoop(
             generator=self.generator,
@@ -151,29 +164,24 @@ class GeneratorSide(Side):
         self.faults.strike(request, "request", engine_pid=lambda: self.generator.engine_pid)
 
     def restore(self, resume: ckpt.Resume) -> None:
-        mine = resume.rank_state
-        self.loop.prompts.position = mine["prompt_position"]
-        self.loop.restore_stream_state(mine.get("stream"))
-        if mine["pending"] is not None:
-            tensors, group_size, metrics = mine["pending"]
-            self._pending = (RolloutBatch(group_size=group_size, **tensors), metrics)
+        mine = GeneratorRankState.from_dict(resume.rank_state)
+        self.loop.prompts.position = mine.prompt_position
+        if mine.work is not None:
+            self.loop.work.restore(mine.work)
+        self._pending = mine.pending
         # The generator's cumulative counters continue from the checkpoint (the trainer takes their
         # differences per step).
-        self.loop.restore_totals(mine["generator_totals"])
+        self.loop.restore_totals(mine.generator_totals)
 
-    def checkpoint_state(self) -> dict[str, Any]:
+    def checkpoint_state(self) -> GeneratorRankState:
         self.samples.flush()
-        pending = None
-        if self._pending is not None:
-            batch, metrics = self._pending
-            pending = (batch.tensors(), batch.group_size, metrics)
-        return {
-            "prompt_position": self.loop.prompts.position,
-            "generator_totals": self.loop.metrics(),
-            "pending": pending,  # async mode: the batch made but not yet sent
-            "stream": self.loop.stream_state(),  # stream mode: the request in flight, a batch not sent
-            "samples_bytes": self.samples.tell(),
-        }
+        return GeneratorRankState(
+            prompt_position=self.loop.prompts.position,
+            generator_totals=self.loop.metrics(),
+            samples_bytes=self.samples.tell(),
+            pending=self._pending,
+            work=self.loop.work.state(),
+        )
 
     # ----------------------------------------------------------------------------------------------
     # lock step
@@ -183,14 +191,14 @@ class GeneratorSide(Side):
         if self.reward_rank is not None:
             # Handed to the reward rank now, not at the next move: it scores while this rank goes on
             # (async: while the trainer trains and this rank samples the next batch).
-            send_rollouts(*self._pending, dst=self.reward_rank)
+            self._pending.send(dst=self.reward_rank)
             self._pending = None
 
     def move_rollouts(self, tick: Tick) -> None:
         if self.reward_rank is not None:
             return  # the reward rank forwards the batch it scored
         assert self._pending is not None, "no batch to send"
-        send_rollouts(*self._pending, dst=FIRST_TRAINER_RANK)
+        self._pending.send(dst=FIRST_TRAINER_RANK)
         self._pending = None
 
     def sync_weights(self) -> None:
@@ -210,7 +218,7 @@ class GeneratorSide(Side):
             if not int(held):
                 with self.borrow_cores():
                     batch = self.loop.make_batch(self.start_tick - 1)
-                send_rollouts(*batch, dst=self.reward_rank)
+                batch.send(dst=self.reward_rank)
         elif self._pending is None:
             with self.borrow_cores():  # the trainer's first tick waits for this batch
                 self._pending = self.loop.make_batch(self.start_tick - 1)
@@ -219,21 +227,21 @@ class GeneratorSide(Side):
     # stream
 
     def run_stream(self) -> None:
-        """Samples back to back and sends groups to the first trainer rank's buffer until it stops the run."""
-        control = StreamControl(self.store)
+        """Samples back to back and sends groups to the first trainer rank's buffer until it stops the
+        run (`llamarl.control.run.generator_stream`)."""
         # To the trainer's buffer, through this rank's reward rank if there are reward ranks.
         dst = FIRST_TRAINER_RANK if self.reward_rank is None else self.reward_rank
         outbox = RolloutOutbox(
             lambda batch, metrics: send_rollouts(batch, metrics, dst=dst, group=self.rollout_group),
             timeout_s=self.config.launch.timeout_s,
         )
-        dist.barrier()  # the first trainer rank set the shared counters
-        self.loop.stream(
-            control,
+        GeneratorStream(
+            self.loop,
+            StreamControl(self.store),
             outbox,
             in_flight=self.generator.supports_in_flight_updates,
-            on_pause=lambda pause: self.in_stream_pause(pause.kind, pause.policy_version),
-        )
+            on_pause=self.in_stream_pause,
+        ).run()
 
     # ----------------------------------------------------------------------------------------------
     # evaluation

@@ -128,17 +128,12 @@ class InFlightRequest:
         )
 
     def state(self) -> dict[str, Any]:
-        """What a checkpoint keeps (tensors and plain values)."""
-        return {
-            "batch": self.as_batch().tensors(),
-            "group_size": self._prompts.group_size,
-            "finished_B": self.finished_B,
-        }
+        """What a checkpoint keeps (tensors and plain values); `from_state` reads it back."""
+        return {"batch": self.as_batch().state(), "finished_B": self.finished_B}
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> InFlightRequest:
-        batch = RolloutBatch(group_size=state["group_size"], **state["batch"])
-        return cls.from_paused(GenerationPaused(batch, state["finished_B"]))
+        return cls.from_paused(GenerationPaused(RolloutBatch.from_state(state["batch"]), state["finished_B"]))
 
     def _prompt(self, r: int) -> list[int]:
         mask = self._prompts.prompt_mask_BP[r].bool()

@@ -20,16 +20,23 @@ from __future__ import annotations
 
 import json
 import threading
-from typing import Any, TextIO
+from typing import TextIO
 
 import torch
 import torch.distributed as dist
 
 from llamarl.comm import WeightSyncEndpoint
+from llamarl.control.config import RunConfig
 from llamarl.control.run import checkpoint as ckpt
-from llamarl.control.run.channels.rollouts import CHECKPOINT_MARKER, recv_rollouts, send_rollouts
-from llamarl.control.run.channels.stream import StreamControl
+from llamarl.control.run.channels.rollouts import (
+    CHECKPOINT_MARKER,
+    PendingBatch,
+    recv_rollouts,
+    send_rollouts,
+)
+from llamarl.control.run.channels.stream import PauseServer, StreamControl
 from llamarl.control.run.channels.weights import FIRST_TRAINER_RANK
+from llamarl.control.run.rank_states import RewardRankState
 from llamarl.control.run.reward_scoring import add_model_rewards
 from llamarl.control.run.schedule import Tick
 from llamarl.control.run.side import Side
@@ -43,6 +50,23 @@ class RewardSide(Side):
 
     scorer = None
     scores_log: TextIO | None = None
+    source: TaskPrompts  # built by setup(): the task's questions and references, to score against
+
+    def __init__(
+        self, config: RunConfig, train_examples: list[dict], eval_examples: list[dict], *, rank: int
+    ) -> None:
+        super().__init__(config, train_examples, eval_examples, rank=rank)
+        # Only its map from data-order positions to examples is used (the same order on every rank).
+        self.order = PromptStream(
+            self.prompt_order, prompts_per_step=config.schedule.prompts_per_step, generator_index=0,
+            num_generators=1,
+        )  # fmt: skip
+        self._scored: dict[int, PendingBatch] = {}  # async mode: by generator, scored, not yet forwarded
+        # Cumulative per generator: they travel with its batches (GENERATOR_TOTALS) to the trainer.
+        self.totals = {
+            g: {"reward_model_s_total": 0.0, "reward_model_samples_total": 0.0} for g in self.my_generators
+        }
+        self._lock = threading.Lock()  # stream mode: one model, several forwarding threads
 
     @property
     def my_generators(self) -> list[int]:
@@ -53,43 +77,24 @@ class RewardSide(Side):
         self.scorer = build_model_rewarder(self.config.reward_model, rank_device=str(self.device))
         self.scorer.setup()
         self.source = TaskPrompts(self.task, self.train_examples, self.tokenizer)
-        # Only its map from data-order positions to examples is used (the same order on every rank).
-        self.order = PromptStream(
-            self.prompt_order, prompts_per_step=self.config.schedule.prompts_per_step, generator_index=0,
-            num_generators=1,
-        )  # fmt: skip
-        self._pending: list[tuple[int, RolloutBatch, dict[str, float]]] = []  # scored, not yet forwarded
-        # Cumulative per generator: they travel with its batches (GENERATOR_TOTALS) to the trainer.
-        self.totals = {
-            g: {"reward_model_s_total": 0.0, "reward_model_samples_total": 0.0} for g in self.my_generators
-        }
-        self._lock = threading.Lock()  # stream mode: one model, several forwarding threads
 
     def open_channels(self, endpoint: WeightSyncEndpoint | None) -> None:
         # No weight channel: the reward model's weights never come from the trainer.
         path = self.output_dir / f"reward_scores.rank{self.rank}.jsonl"
         self.output_dir.mkdir(parents=True, exist_ok=True)
         if self.resumed is not None:  # lines written after the checkpoint are made again, so cut them
-            ckpt.truncate(path, self.resumed.rank_state["scores_bytes"])
+            ckpt.truncate(path, RewardRankState.from_dict(self.resumed.rank_state).scores_bytes)
         self.scores_log = path.open("a" if self.resumed is not None else "w", encoding="utf-8")
 
     def restore(self, resume: ckpt.Resume) -> None:
-        mine = resume.rank_state
-        self._pending = [
-            (g, RolloutBatch(group_size=group_size, **tensors), metrics)
-            for g, tensors, group_size, metrics in mine["pending"]
-        ]
-        for g, totals in mine["totals"].items():
-            self.totals[int(g)] = dict(totals)
+        mine = RewardRankState.from_dict(resume.rank_state)
+        self._scored = mine.scored
+        self.totals.update(mine.totals)
 
-    def checkpoint_state(self) -> dict[str, Any]:
+    def checkpoint_state(self) -> RewardRankState:
         self.scores_log.flush()
-        return {
-            # async mode: the batches scored at the end of a tick, forwarded at the next one
-            "pending": [(g, b.tensors(), b.group_size, m) for g, b, m in self._pending],
-            "totals": self.totals,
-            "scores_bytes": self.scores_log.tell(),
-        }
+        # async mode: the batches scored at the end of a tick, forwarded at the next one
+        return RewardRankState(scored=self._scored, totals=self.totals, scores_bytes=self.scores_log.tell())
 
     def after_resume(self) -> None:
         # Mirrors GeneratorSide.after_resume: a checkpoint of an async run's last tick holds no batch in
@@ -98,15 +103,17 @@ class RewardSide(Side):
         cfg = self.config
         if not (cfg.schedule.mode == "async" and 0 < self.start_tick <= cfg.schedule.steps):
             return
-        held = {g for g, _, _ in self._pending}
         for g in self.my_generators:
-            dist.send(torch.tensor([int(g in held)]), g)
-            if g not in held:
-                batch, metrics = recv_rollouts(src=g)
-                assert isinstance(batch, RolloutBatch)
-                self._pending.append((g, batch, self._score(g, batch, metrics, self.start_tick - 1)))
-        order = {g: i for i, g in enumerate(self.my_generators)}
-        self._pending.sort(key=lambda item: order[item[0]])
+            dist.send(torch.tensor([int(g in self._scored)]), g)
+            if g not in self._scored:
+                self._scored[g] = self._receive_and_score(g, self.start_tick - 1)
+        self._scored = {g: self._scored[g] for g in self.my_generators}  # forwarded in generator order
+
+    def _receive_and_score(self, generator: int, tick: int) -> PendingBatch:
+        """Lock step: generator `generator`'s batch of `tick`, scored."""
+        batch, metrics = recv_rollouts(src=generator)
+        assert isinstance(batch, RolloutBatch)
+        return PendingBatch(batch, self._score(generator, batch, metrics, tick))
 
     def _score(
         self, generator: int, batch: RolloutBatch, metrics: dict[str, float], tick: int
@@ -139,15 +146,13 @@ class RewardSide(Side):
     def generate(self, tick: Tick) -> None:
         """While the generators sample: receive each of this rank's generators' batch, score it."""
         for g in self.my_generators:
-            batch, metrics = recv_rollouts(src=g)
-            assert isinstance(batch, RolloutBatch)
-            self._pending.append((g, batch, self._score(g, batch, metrics, tick.index)))
+            self._scored[g] = self._receive_and_score(g, tick.index)
 
     def move_rollouts(self, tick: Tick) -> None:
-        assert len(self._pending) == len(self.my_generators), "no scored batch to forward"
-        for g, batch, metrics in self._pending:
-            send_rollouts(batch, metrics, dst=FIRST_TRAINER_RANK, tag=g)
-        self._pending = []
+        assert len(self._scored) == len(self.my_generators), "no scored batch to forward"
+        for g, scored in self._scored.items():
+            scored.send(dst=FIRST_TRAINER_RANK, tag=g)
+        self._scored = {}
 
     def sync_weights(self) -> None:
         """The reward model's weights are its own: nothing to take."""
@@ -157,43 +162,52 @@ class RewardSide(Side):
 
     def run_stream(self) -> None:
         """One thread per generator of this rank: receive, score, forward, until its stream ends; the
-        main thread meanwhile serves the trainer's pauses (evaluations) with every other rank."""
+        main thread meanwhile serves the trainer's pauses (evaluations, checkpoints) with every other
+        rank.
+
+        consumes:     the pauses the trainer requests (the threads consume the generators' streams)
+        waits for:    every thread's end: each generator's end of stream
+        unblocked by: the generators closing their outboxes once the trainer stopped the run
+        """
         control = StreamControl(self.store)
+        pauses = PauseServer(self.in_stream_pause)
         errors: list[BaseException] = []
-        dist.barrier()  # the first trainer rank set the shared counters
-
-        def forward(g: int) -> None:
-            batches = 0
-            try:
-                while True:
-                    batch, metrics = recv_rollouts(src=g, group=self.rollout_group)
-                    if isinstance(batch, RolloutBatch):
-                        metrics = self._score(g, batch, metrics, batches)
-                        batches += 1
-                    elif batch is CHECKPOINT_MARKER or batch is None:
-                        metrics = {**metrics, **self.totals[g]}
-                    send_rollouts(batch, metrics, dst=FIRST_TRAINER_RANK, group=self.rollout_group, tag=g)
-                    if batch is None:  # the generator's stream ended, and now the trainer knows
-                        return
-            except BaseException as e:
-                errors.append(e)
-
         threads = [
-            threading.Thread(target=forward, args=(g,), name=f"reward-for-{g}", daemon=True)
+            threading.Thread(target=self._forward, args=(g, errors), name=f"reward-for-{g}", daemon=True)
             for g in self.my_generators
         ]
         for thread in threads:
             thread.start()
-        served = 0
         while any(t.is_alive() for t in threads) and not errors:
-            while served < control.pauses_requested() and not errors:
-                pause = control.pause(served + 1)
-                self.in_stream_pause(pause.kind, pause.policy_version)
-                served = pause.number
+            pauses.serve_requested(control)
             for thread in threads:
                 thread.join(0.05)
         if errors:
             raise errors[0]
+
+    def _forward(self, generator: int, errors: list[BaseException]) -> None:
+        """A forwarding thread: generator `generator`'s stream, each batch scored, to the first trainer
+        rank (markers and the end of the stream pass through with this rank's totals). A failure goes
+        to `errors`, which the main thread raises.
+
+        consumes:     the generator's messages: batches, checkpoint markers, the end of its stream
+        waits for:    its next message; the trainer's receive of each one (the rollout group's deadline)
+        unblocked by: the generator's outbox; the trainer's receiving thread for this generator
+        """
+        batches = 0
+        try:
+            while True:
+                batch, metrics = recv_rollouts(src=generator, group=self.rollout_group)
+                if isinstance(batch, RolloutBatch):
+                    metrics = self._score(generator, batch, metrics, batches)
+                    batches += 1
+                elif batch is CHECKPOINT_MARKER or batch is None:
+                    metrics = {**metrics, **self.totals[generator]}
+                send_rollouts(batch, metrics, dst=FIRST_TRAINER_RANK, group=self.rollout_group, tag=generator)
+                if batch is None:  # the generator's stream ended, and now the trainer knows
+                    return
+        except BaseException as e:
+            errors.append(e)
 
     def close(self) -> None:
         if self.scorer is not None:

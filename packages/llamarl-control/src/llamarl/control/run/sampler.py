@@ -115,7 +115,35 @@ class TaskSampler:
         return Sampled(batch=batch, texts=texts, score_s=time.perf_counter() - start)
 
     def _episodes(self, indices: list[int], G: int, greedy: bool, between_steps) -> Sampled:
-        from llamarl.exec.multiturn.episodes import Episode, EpisodeLimits, episodes_to_batch, run_episodes
+        from llamarl.exec.multiturn.episodes import episodes_to_batch
+
+        setup = self.episodes
+        assert setup is not None
+        episodes = self._play(indices, G, greedy, between_steps)
+        version = self.generator.policy_version
+        batch = episodes_to_batch(
+            episodes,
+            group_size=G,
+            pad_token_id=_pad_id(setup.tokenizer),
+            policy_version=-1 if version is None else int(version),
+        )
+        start = time.perf_counter()
+        batch.rewards_B = torch.tensor(self._episode_rewards(episodes, G), dtype=torch.float32)
+        texts = [
+            e.error if e.dropped else "\n".join(f"[{m['role']}] {m['content']}" for m in e.transcript)
+            for e in episodes
+        ]
+        return Sampled(
+            batch=batch,
+            texts=texts,
+            score_s=time.perf_counter() - start,
+            episodes_dropped=sum(e.dropped for e in episodes),
+            turns_mean=sum(e.turns for e in episodes) / max(len(episodes), 1),
+        )
+
+    def _play(self, indices: list[int], G: int, greedy: bool, between_steps) -> list:
+        """G episodes of each prompt, all in flight through the generator's turn session, played out."""
+        from llamarl.exec.multiturn.episodes import Episode, EpisodeLimits, run_episodes
 
         setup = self.episodes
         assert setup is not None
@@ -143,16 +171,13 @@ class TaskSampler:
                     max_episode_tokens=self.sampling.max_episode_tokens,
                 ),
             )
-        version = self.generator.policy_version
-        batch = episodes_to_batch(
-            episodes,
-            group_size=G,
-            pad_token_id=_pad_id(setup.tokenizer),
-            policy_version=-1 if version is None else int(version),
-        )
+        return episodes
+
+    def _episode_rewards(self, episodes: list, G: int) -> list[float]:
+        """Each episode's reward: the environment's, else the task's reward functions' on its last turn;
+        a dropped episode takes its group's mean (it moves no baseline)."""
         rewards = [0.0 if e.reward is None else float(e.reward) for e in episodes]
         unscored = [k for k, e in enumerate(episodes) if not e.dropped and e.reward is None]
-        start = time.perf_counter()
         if unscored and self.rewarder is not None:
             with self.phase("score"):
                 scores = self.rewarder.score(
@@ -162,24 +187,13 @@ class TaskSampler:
                 )
             for k, score in zip(unscored, scores, strict=True):
                 rewards[k] = score
-        for g in range(len(indices)):  # a dropped episode takes its group's mean: it moves no baseline
-            group = range(g * G, (g + 1) * G)
+        for first in range(0, len(episodes), G):
+            group = range(first, first + G)
             kept = [rewards[k] for k in group if not episodes[k].dropped]
             for k in group:
                 if episodes[k].dropped:
                     rewards[k] = sum(kept) / len(kept) if kept else 0.0
-        batch.rewards_B = torch.tensor(rewards, dtype=torch.float32)
-        texts = [
-            e.error if e.dropped else "\n".join(f"[{m['role']}] {m['content']}" for m in e.transcript)
-            for e in episodes
-        ]
-        return Sampled(
-            batch=batch,
-            texts=texts,
-            score_s=time.perf_counter() - start,
-            episodes_dropped=sum(e.dropped for e in episodes),
-            turns_mean=sum(e.turns for e in episodes) / max(len(episodes), 1),
-        )
+        return rewards
 
 
 def _pad_id(tokenizer) -> int:

@@ -12,7 +12,8 @@ gating in one place that tests can read without starting a process:
 
 `stream` mode has no ticks: generators sample back to back (`GeneratorLoop.stream`) into the first
 trainer rank's `RolloutBuffer`, from which the trainer takes its batches (`TrainerLoop.stream`); a
-request starts only when `stream_admits` says its groups will still be fresh enough to train on.
+request starts only when `stream_admits` says its groups will still be fresh enough to train on, and
+every rank pauses after the steps that `PausePlan` names (an evaluation, a checkpoint).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 PhaseName = Literal["generate", "move_rollouts", "sync_weights", "train", "checkpoint"]
+PauseKind = Literal["eval", "checkpoint"]
 SideName = Literal["trainers", "generators"]
 _WORKS: dict[str, SideName] = {"generate": "generators", "train": "trainers"}
 
@@ -109,3 +111,29 @@ def stream_admits(
     """
     trained_at = taken + (ahead + groups - 1) // prompts_per_step
     return trained_at - version <= max_policy_lag and (steps is None or trained_at < steps)
+
+
+@dataclass(frozen=True)
+class PausePlan:
+    """When a run evaluates and checkpoints: after the step that made policy version v when v is a
+    multiple of `eval_every` (`checkpoint_every`); 0 never. The same versions in every mode."""
+
+    eval_every: int
+    checkpoint_every: int
+    steps: int
+
+    def checkpoint_due(self, policy_version: int) -> bool:
+        """Whether a checkpoint is taken once `policy_version` is made."""
+        return bool(self.checkpoint_every) and policy_version % self.checkpoint_every == 0
+
+    def eval_due_in_stream(self, policy_version: int) -> bool:
+        """Whether stream mode evaluates once `policy_version` is made (not after the last step: the
+        final evaluation follows anyway)."""
+        every = self.eval_every
+        return bool(every) and policy_version % every == 0 and policy_version < self.steps
+
+    def stream_pauses(self, policy_version: int) -> list[PauseKind]:
+        """Stream mode: the pauses after the step that made `policy_version`, in order (an evaluation
+        first, so that a checkpoint taken there holds its result)."""
+        due: list[PauseKind] = ["eval"] if self.eval_due_in_stream(policy_version) else []
+        return due + (["checkpoint"] if self.checkpoint_due(policy_version) else [])

@@ -12,8 +12,9 @@ in its own part of them:
     run()        evaluate("start") | sync weights after a resume
                  lock step: for each tick of llamarl.control.run.schedule, each phase in order:
                      generate / move_rollouts / sync_weights / train / checkpoint
-                 stream:    run_stream(), then one plain weight sync; every rank pauses after the steps
-                            where an evaluation or a checkpoint is due (`in_stream_pause`)
+                 stream:    a barrier (the first trainer rank restored the shared counters), run_stream(),
+                            then one plain weight sync; every rank pauses after the steps where an
+                            evaluation or a checkpoint is due (`in_stream_pause`, through a `PauseServer`)
                  save_final_model(), evaluate("end"), the trace, the summary (first trainer rank)
     close()      executors, channels, files
 
@@ -30,7 +31,7 @@ import contextlib
 import random
 import time
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -42,50 +43,24 @@ from llamarl.control.launch.memory import ProcessTreeMemory
 from llamarl.control.launch.threads import borrowed_cores
 from llamarl.control.outputs.timeline import Timeline, write_chrome_trace
 from llamarl.control.run import checkpoint as ckpt
+from llamarl.control.run.channels.stream import Pause
 from llamarl.control.run.channels.weights import FIRST_TRAINER_RANK, weight_sync_endpoint
 from llamarl.control.run.evaluation import EvalProgress, EvalResult
 from llamarl.control.run.faults import FaultInjector
-from llamarl.control.run.schedule import Phase, SideName, Tick, lockstep_ticks
+from llamarl.control.run.schedule import PausePlan, Phase, SideName, Tick, lockstep_ticks
 from llamarl.control.tasks.prompts import load_tokenizer
 from llamarl.control.tasks.registry import load_task
 
 
-class Side:
-    """One rank's side of the run. Construct on every rank, then `setup()`, `run()`, `close()`.
+class SideState(Protocol):
+    """A side's part of a checkpoint (`*RankState`, `TrainerRunState`): plain values for torch.save/JSON."""
 
-    Subclasses implement the side-specific hooks; every hook is called on every rank of the side, in the
-    same order as on the ranks of the other side.
-    """
+    def as_dict(self) -> dict[str, Any]: ...
 
-    side_name: SideName | None = None  # which phases of a tick this side computes in (None: reward ranks)
 
-    def __init__(
-        self, config: RunConfig, train_examples: list[dict], eval_examples: list[dict], *, rank: int
-    ) -> None:
-        self.config = config
-        self.draw_report = True  # the first trainer rank's report.png (the launcher draws it instead)
-        self.task = load_task(config.task.name, config.task.module)
-        self.train_examples = train_examples
-        self.eval_examples = eval_examples[: config.eval.size]
-        self.rank = rank
-        self.world_size = config.world_size
-        self.trainer_ranks = config.trainer_ranks
-        self.generator_ranks = config.generator_ranks
-        self.reward_ranks = config.reward_ranks  # after the generators; none by default
-        self.output_dir = config.output_dir
-        self.timeline = Timeline()  # this rank's phases, gathered into OUTPUT_DIR/trace.json at the end
-        self.faults = FaultInjector(rank, self.output_dir)
-        self.tick = -1  # the tick being run (-1 before and after the training loop)
-        self.resumed: ckpt.Resume | None = None  # the checkpoint this run continues from
-        self.start_tick = 0  # the first tick (stream: step) to run (after the resumed checkpoint's)
-        self._eval_s_in_loop = 0.0  # time spent evaluating inside the training loop (not training)
-        self._evaluations = 0  # evaluations so far (every rank counts the same)
-        # The shuffled order of the training prompts: every rank computes the same one from the seed.
-        self.prompt_order = list(range(len(train_examples)))
-        random.Random(config.seed).shuffle(self.prompt_order)
-
-    # ----------------------------------------------------------------------------------------------
-    # hooks: each side fills these in
+class SideHooks:
+    """What each side fills in (`Side` runs them). Every hook is called on every rank of the side, in the
+    same order as on the ranks of the other sides."""
 
     def build_executors(self) -> None:
         """Builds and sets up this rank's executors (load the model, start an engine, ...)."""
@@ -100,11 +75,11 @@ class Side:
         """Loads this rank's part of the checkpoint the run continues from (RNG states excepted)."""
         raise NotImplementedError
 
-    def checkpoint_state(self) -> dict[str, Any]:
+    def checkpoint_state(self) -> SideState:
         """This rank's own part of a checkpoint (RNG states are added by the checkpoint)."""
         raise NotImplementedError
 
-    def run_state(self) -> dict[str, Any] | None:
+    def run_state(self) -> SideState | None:
         """The run's state for a checkpoint: from the first trainer rank only (None elsewhere)."""
         return None
 
@@ -126,7 +101,8 @@ class Side:
         """After a resumed run's first weight sync, before its first tick."""
 
     def run_stream(self) -> None:
-        """Stream mode: this side's part, until the trainer has taken `schedule.steps` steps."""
+        """Stream mode: this side's part, until the trainer has taken `schedule.steps` steps (every rank
+        is past the stream's start barrier: the first trainer rank restored the shared counters)."""
         raise NotImplementedError
 
     def save_final_model(self) -> None:
@@ -151,6 +127,55 @@ class Side:
 
     def close(self) -> None:
         """Releases executors, channels and files; safe after a partial setup."""
+
+
+class Side(SideHooks):
+    """One rank's side of the run. Construct on every rank, then `setup()`, `run()`, `close()`.
+
+    Subclasses implement the side-specific hooks (`SideHooks`).
+    """
+
+    side_name: SideName | None = None  # which phases of a tick this side computes in (None: reward ranks)
+
+    # Built by setup(), on every rank.
+    memory: ProcessTreeMemory  # this rank's process tree, sampled until the end
+    device: torch.device
+    tokenizer: Any
+    store: dist.Store  # the launcher's key-value store: stream mode's counters, evaluations' progress
+    trainer_group: dist.ProcessGroup  # the trainer ranks' own group
+    rollout_group: dist.ProcessGroup | None = None  # stream mode: the first trainer rank, generators, reward
+
+    def __init__(
+        self, config: RunConfig, train_examples: list[dict], eval_examples: list[dict], *, rank: int
+    ) -> None:
+        self.config = config
+        self.draw_report = True  # the first trainer rank's report.png (the launcher draws it instead)
+        self.task = load_task(config.task.name, config.task.module)
+        self.train_examples = train_examples
+        self.eval_examples = eval_examples[: config.eval.size]
+        self.rank = rank
+        self.world_size = config.world_size
+        self.trainer_ranks = config.trainer_ranks
+        self.generator_ranks = config.generator_ranks
+        self.reward_ranks = config.reward_ranks  # after the generators; none by default
+        self.output_dir = config.output_dir
+        self.timeline = Timeline()  # this rank's phases, gathered into OUTPUT_DIR/trace.json at the end
+        self.faults = FaultInjector(rank, self.output_dir)
+        self.tick = -1  # the tick being run (-1 before and after the training loop)
+        self.resumed: ckpt.Resume | None = None  # the checkpoint this run continues from
+        self.start_tick = 0  # the first tick (stream: step) to run (after the resumed checkpoint's)
+        self.checkpoints: ckpt.RunCheckpoints | None = None  # with checkpoint.every or checkpoint.resume
+        self.plan = PausePlan(
+            eval_every=config.eval.every,
+            checkpoint_every=config.checkpoint.every,
+            steps=config.schedule.steps,
+        )
+        self._eval_s_in_loop = 0.0  # time spent evaluating inside the training loop (not training)
+        self._evaluations = 0  # evaluations so far (every rank counts the same)
+        self._eval_progress: EvalProgress | None = None  # the evaluation under way
+        # The shuffled order of the training prompts: every rank computes the same one from the seed.
+        self.prompt_order = list(range(len(train_examples)))
+        random.Random(config.seed).shuffle(self.prompt_order)
 
     # ----------------------------------------------------------------------------------------------
     # lifecycle
@@ -177,6 +202,13 @@ class Side:
         # generators); every rank must take part in creating it, members or not. On CUDA its GPU
         # tensors go over NCCL and its CPU bookkeeping over gloo (llamarl.control.launch.devices).
         self.trainer_group = dist.new_group(self.trainer_ranks, backend=group_backend(self.device))
+        if cfg.schedule.mode == "stream":
+            # Generators stream rollouts to the first trainer rank on a group of their own, so those
+            # transfers never interleave with the default group's relays and collectives.
+            self.rollout_group = dist.new_group(
+                [FIRST_TRAINER_RANK, *self.generator_ranks, *self.reward_ranks],
+                timeout=timedelta(seconds=cfg.launch.timeout_s),
+            )
         self.build_executors()
         # Reward ranks take part in choosing the address but never join the weight channel: a reward
         # model's weights are its own.
@@ -187,7 +219,6 @@ class Side:
             timeout_s=cfg.sync_deadline_s,
             dead_after_s=cfg.weight_sync.dead_after_s,
         )
-        self.checkpoints = None
         if cfg.checkpoint.every or cfg.checkpoint.resume:
             self.checkpoints = ckpt.RunCheckpoints(
                 self.output_dir,
@@ -199,15 +230,8 @@ class Side:
             if cfg.checkpoint.resume:
                 self.resumed = self.checkpoints.resume(log=lambda m: print(m, flush=True))
         self.open_channels(endpoint)
-        if cfg.schedule.mode == "stream":
-            # Generators stream rollouts to the first trainer rank on a group of their own, so those
-            # transfers never interleave with the default group's relays and collectives.
-            self.rollout_group = dist.new_group(
-                [FIRST_TRAINER_RANK, *self.generator_ranks, *self.reward_ranks],
-                timeout=timedelta(seconds=cfg.launch.timeout_s),
-            )
         if self.resumed is not None:
-            self.start_tick = self.resumed.run_state["tick"]  # stream mode: the step (= policy_version)
+            self.start_tick = self.resumed.tick  # stream mode: the step (= policy_version)
             self.restore(self.resumed)
             ckpt.restore_rng(self.resumed.rank_state["rng"])  # last: nothing above may draw from them
 
@@ -224,13 +248,13 @@ class Side:
             self.after_resume()
         loop_start = self.loop_clock()
         if cfg.schedule.mode == "stream":
+            dist.barrier()  # nobody streams before the first trainer rank restored the shared counters
             self.run_stream()
             # Every rank is out of the stream now: one plain sync makes sure every generator serves the
             # final policy for evaluation, even one whose last in-stream sync failed.
             self.sync_weights()
         else:
-            for tick in lockstep_ticks(cfg.schedule.mode, cfg.schedule.steps, self.start_tick):
-                self.run_tick(tick)
+            self.run_lockstep()
         loop_s = self.loop_clock() - loop_start
         self.tick = -1
         self.save_final_model()
@@ -247,14 +271,25 @@ class Side:
     # ----------------------------------------------------------------------------------------------
     # lock step
 
-    def run_tick(self, tick: Tick) -> None:
-        """This rank's part of every phase of one tick, in order."""
-        self.tick = tick.index
-        self.faults.strike(tick.index)
-        self._maybe_evaluate(tick.index)
-        with self._cores_for(tick):
-            for phase in tick.phases:
-                self._run_phase(phase, tick)
+    def run_lockstep(self) -> None:
+        """Sync and async modes: every rank runs this rank's part of each phase of each tick, in order
+        (`llamarl.control.run.schedule.lockstep_ticks`). Async, tick t (the paper's schedule):
+
+            move batch t-1 -> sync weights v(t-1) -> generate batch t | train on batch t-1 -> checkpoint
+
+        consumes:     the tick's batch: moved from the generators (through the reward ranks if any)
+        waits for:    the peers of each phase's transfer or collective (a side with nothing to compute
+                      in a tick waits in the next phase's transfer)
+        unblocked by: the other side reaching the same phase
+        """
+        cfg = self.config
+        for tick in lockstep_ticks(cfg.schedule.mode, cfg.schedule.steps, self.start_tick):
+            self.tick = tick.index
+            self.faults.strike(tick.index)
+            self._maybe_evaluate(tick.index)
+            with self._cores_for(tick):  # the side alone at work borrows the waiting side's cores
+                for phase in tick.phases:
+                    self._run_phase(phase, tick)
 
     def _cores_for(self, tick: Tick) -> contextlib.AbstractContextManager[None]:
         """The only side at work in a tick borrows the cores of the side that waits (first and last
@@ -288,24 +323,20 @@ class Side:
         Every rank knows the policy version from the tick alone (no message needed). Nothing is in the
         channels then; in async mode the generators' batch made but not yet sent is saved with them.
         """
-        if self.checkpoint_due(tick.policy_version):
+        if self.plan.checkpoint_due(tick.policy_version):
             with self.timeline.phase("checkpoint", tick.index):
                 self.save_checkpoint(tick=tick.index, policy_version=tick.policy_version)
-
-    def checkpoint_due(self, policy_version: int) -> bool:
-        """Whether a checkpoint is taken once `policy_version` is made."""
-        every = self.config.checkpoint.every
-        return bool(every) and policy_version % every == 0
 
     def save_checkpoint(self, *, tick: int, policy_version: int) -> None:
         """Every rank writes its part of checkpoint `policy_version` (collective); a resumed run starts
         at tick (stream mode: step) `tick + 1`."""
         assert self.checkpoints is not None
+        run_state = self.run_state()
         self.checkpoints.save(
             tick=tick,
             policy_version=policy_version,
-            rank_state=self.checkpoint_state(),
-            run_state=self.run_state(),
+            rank_state=self.checkpoint_state().as_dict(),
+            run_state=None if run_state is None else run_state.as_dict(),
             trainer=self.trainer_parts(),
             trainer_group=self.trainer_group,
             before_commit=lambda: self.faults.strike(tick, "checkpoint"),
@@ -314,21 +345,16 @@ class Side:
     # ----------------------------------------------------------------------------------------------
     # stream
 
-    def eval_due_in_stream(self, policy_version: int) -> bool:
-        """Whether stream mode evaluates once `policy_version` is made (not after the last step: the
-        final evaluation follows anyway)."""
-        every = self.config.eval.every
-        return bool(every) and policy_version % every == 0 and policy_version < self.config.schedule.steps
-
-    def in_stream_pause(self, kind: str, policy_version: int) -> None:
-        """Stream mode: this rank's part of a pause after the step that made `policy_version` (every
-        rank, in the same order): an evaluation inside the loop, or a checkpoint. A resumed run starts
-        at the next step."""
-        if kind == "eval":
-            self.evaluate_in_loop(f"step {policy_version}")
+    def in_stream_pause(self, pause: Pause) -> None:
+        """Stream mode: this rank's part of a pause after the step that made `pause.policy_version`
+        (every rank, in the same order: each side serves it through a `PauseServer`): an evaluation
+        inside the loop, or a checkpoint. A resumed run starts at the next step."""
+        version = pause.policy_version
+        if pause.kind == "eval":
+            self.evaluate_in_loop(f"step {version}")
         else:
-            with self.timeline.phase("checkpoint", policy_version - 1):
-                self.save_checkpoint(tick=policy_version - 1, policy_version=policy_version)
+            with self.timeline.phase("checkpoint", version - 1):
+                self.save_checkpoint(tick=version - 1, policy_version=version)
 
     def trainer_parts(self) -> tuple[torch.nn.Module, torch.optim.Optimizer] | None:
         """(model, optimizer) that checkpoints save through DCP on trainer ranks; None on generators."""
@@ -372,20 +398,14 @@ class Side:
             # Collectives wait at most launch.timeout_s; an evaluation may take longer, so every rank
             # first waits here for as long as the generators show progress.
             self._eval_progress.wait(len(self.generator_ranks), timeout_s=self.config.launch.timeout_s)
-            for tensor in (greedy_Q, sampled_Q):
-                dist.all_reduce(tensor)
-            dist.all_reduce(version, op=dist.ReduceOp.MAX)
-            result = EvalResult(
-                policy_version=int(version),
-                greedy_Q=greedy_Q.tolist(),
-                sampled_Q=sampled_Q.tolist() if self.config.eval.samples else None,
-            )
+            result = _sum_over_ranks(greedy_Q, sampled_Q, version, sampled=bool(self.config.eval.samples))
             self.record_evaluation(result, when)
         return result
 
     def eval_heartbeat(self) -> None:
         """A generator scoring its share of the evaluation under way shows progress (cheap: at most
         about once a second it reaches the store)."""
+        assert self._eval_progress is not None, "no evaluation under way"
         self._eval_progress.beat()
 
     # ----------------------------------------------------------------------------------------------
@@ -394,17 +414,38 @@ class Side:
     def _gather_memory(self) -> list[dict[str, Any]]:
         """Every rank's process-tree peaks, in rank order, on the first trainer rank (empty elsewhere)."""
         self.memory.stop()
-        gathered: list[list] | None = [[] for _ in range(self.world_size)] if self.is_logger else None
-        dist.gather_object(self.memory.processes(), gathered, dst=FIRST_TRAINER_RANK)
+        gathered = _gather_on_first_trainer_rank(self.memory.processes(), self.world_size)
         return [p for rank_processes in gathered or [] for p in rank_processes]
 
     def _write_trace(self) -> None:
         """Gathers every rank's phases on the first trainer rank, which writes OUTPUT_DIR/trace.json."""
-        gathered: list[list] | None = [[] for _ in range(self.world_size)] if self.is_logger else None
-        dist.gather_object(self.timeline.spans, gathered, dst=FIRST_TRAINER_RANK)
-        if self.is_logger:
+        gathered = _gather_on_first_trainer_rank(self.timeline.spans, self.world_size)
+        if gathered is not None:
             roles = [self.config.rank_label(r) for r in range(self.world_size)]
             write_chrome_trace(self.output_dir / "trace.json", gathered, roles)
+
+
+def _gather_on_first_trainer_rank(mine: list, world_size: int) -> list[list] | None:
+    """Every rank's `mine`, in rank order, on the first trainer rank (None elsewhere); a collective."""
+    here = dist.get_rank() == FIRST_TRAINER_RANK
+    gathered: list[list] | None = [[] for _ in range(world_size)] if here else None
+    dist.gather_object(mine, gathered, dst=FIRST_TRAINER_RANK)
+    return gathered
+
+
+def _sum_over_ranks(
+    greedy_Q: torch.Tensor, sampled_Q: torch.Tensor, version: torch.Tensor, *, sampled: bool
+) -> EvalResult:
+    """An evaluation's result from every rank's share (a collective): scores summed per question, the
+    generators' policy version (all hold the same; the other ranks give 0)."""
+    for tensor in (greedy_Q, sampled_Q):
+        dist.all_reduce(tensor)
+    dist.all_reduce(version, op=dist.ReduceOp.MAX)
+    return EvalResult(
+        policy_version=int(version),
+        greedy_Q=greedy_Q.tolist(),
+        sampled_Q=sampled_Q.tolist() if sampled else None,
+    )
 
 
 def _get(config: RunConfig, path: str) -> Any:

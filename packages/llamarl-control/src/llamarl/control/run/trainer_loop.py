@@ -1,11 +1,11 @@
 """A trainer rank's loop: take a batch -> train -> send weights.
 
-`TrainerLoop` holds no process group: the batch comes from a callable (the rollout channel, or the
-stream buffer) and the weights go out through one (the weight channel's sender), so tests drive it with
-fakes in one process. It refuses a batch older than `max_policy_lag` before touching the model, and turns
-each step into the step's metrics record: times, throughput, staleness, and the generators' counters
-(`GeneratorStats`: the change since the previous step of the cumulative totals that travel with every
-batch).
+`TrainerLoop` holds no process group: in lock step the side hands it each batch, in stream mode it takes
+them from a `StreamIntake` (`llamarl.control.run.trainer_intake`), and the weights go out through a
+callable (the weight channel's sender), so tests drive it with fakes in one process. It refuses a batch
+older than `max_policy_lag` before touching the model, and turns each step into the step's metrics
+record: times, throughput, staleness, and the generators' counters (`GeneratorStats`: the change since
+the previous step of the cumulative totals that travel with every batch).
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 from llamarl.comm import WeightSyncError
 from llamarl.control.outputs.timeline import Timeline
 from llamarl.control.run.channels.rollouts import GENERATOR_TOTALS
-from llamarl.control.run.channels.stream import StreamControl
 from llamarl.exec.types import RolloutBatch, Trainer
 
 
@@ -85,8 +85,42 @@ def staleness_histogram(batch: RolloutBatch, current_version: int, max_lag: int)
     }
 
 
+class StreamIntake(Protocol):
+    """Where a stream trainer rank's batches come from, and what the generators hear from it
+    (`llamarl.control.run.trainer_intake`: the first trainer rank's buffer, or its relay to the others)."""
+
+    def open(self) -> None:
+        """Starts receiving (before the first step)."""
+        ...
+
+    def take(self, version: int) -> tuple[RolloutBatch, RolloutBatch]:
+        """The next batch for a trainer at `version`: (this rank's part, the whole batch)."""
+        ...
+
+    def figures(self) -> dict[str, float]:
+        """The intake's figures for a step's record."""
+        ...
+
+    def announce(self) -> None:
+        """A weight sync starts now: every generator takes part in it."""
+        ...
+
+    def pause_after(self, version: int) -> None:
+        """Every rank pauses for what is due after the step that made `version` (evaluation, checkpoint)."""
+        ...
+
+    def close(self) -> None:
+        """After the last step: the generators stop; waits until every stream ended."""
+        ...
+
+
 class TrainerLoop:
-    """Take a batch -> train -> send weights, on a trainer rank (every trainer rank has one)."""
+    """Take a batch -> train -> send weights, on a trainer rank (every trainer rank has one).
+
+    Stream mode calls `before_step(step)` at the start of each step (fault injection), trains its last
+    step inside `generators_done()` (the trainer side borrows the generators' cores there,
+    `llamarl.control.launch.threads`) and hands each step's record to `on_step(record, whole batch)`.
+    """
 
     def __init__(
         self,
@@ -97,11 +131,14 @@ class TrainerLoop:
         timeline: Timeline,
         paused_s: Callable[[], float] = lambda: 0.0,
         tolerate_sync_failures: bool = False,
+        before_step: Callable[[int], None] = lambda step: None,
+        generators_done: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
+        on_step: Callable[[dict[str, float], RolloutBatch], None] = lambda record, whole: None,
     ) -> None:
         self.trainer = trainer
         # Where a generator's engine can be replaced: a sync that failed on a dead engine is logged and
         # training goes on; the replaced engine (and any generator the failure reached) asks for the
-        # weights again (`answer_weight_requests`).
+        # weights again (`TrainerIntake.answer_weight_requests`).
         self.tolerate_sync_failures = tolerate_sync_failures
         self.sync_failures = 0
         self._send = send_weights
@@ -111,7 +148,9 @@ class TrainerLoop:
         self.paused_s = paused_s
         self.last_sync_s = float("nan")
         self.generator_stats = GeneratorStats()
-        self._answered = 0  # requests for weights answered (StreamControl.weights_wanted)
+        self.before_step = before_step
+        self.generators_done = generators_done
+        self.on_step = on_step
         self._last_step_end: float | None = None
         self.tick = -1
 
@@ -192,49 +231,29 @@ class TrainerLoop:
             **{f"train/{k}": v for k, v in train_metrics.items()},
         }
 
-    def stream(
-        self,
-        *,
-        steps: int,
-        take: Callable[[], RolloutBatch],
-        relay: Callable[[RolloutBatch], RolloutBatch],
-        control: StreamControl | None,
-        on_step: Callable[[dict[str, float], RolloutBatch], None],
-        first_step: int = 0,
-        before_step: Callable[[int], None] = lambda step: None,
-        after_step: Callable[[int], None] = lambda version: None,
-        generators_done: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
-    ) -> None:
-        """Stream mode: steps `first_step` .. `steps - 1` (a resumed run starts later): take a batch
-        (`take`, e.g. from the `RolloutBuffer`), keep this rank's part (`relay`), train and send the new
-        weights; then tell the generators to stop.
+    def stream(self, intake: StreamIntake, *, steps: int, first_step: int = 0) -> None:
+        """Stream mode: steps `first_step` .. `steps - 1` (a resumed run starts later), each: take a
+        batch, train, send the new weights; then the generators stop.
 
-        `on_step(record, whole batch)` logs each step; `before_step(step)` runs first (fault
-        injection); `after_step(policy_version)` runs once the new weights went out (evaluations and
-        checkpoints pause the run there). `control` is None on trainer ranks other than the first
-        (they neither announce nor stop). The last step trains inside `generators_done()`: once its
-        batch is taken no generator has anything left to sample (admission stops at the run's last
-        step), so the trainer side may borrow their cores (`llamarl.control.launch.threads`).
+        consumes:     a batch a step from `intake` (the groups admitted next, within max_policy_lag)
+        waits for:    those groups (the first trainer rank answers requests for weights meanwhile);
+                      the generators in each weight sync; every rank in each pause
+        unblocked by: the generators' outboxes (through the intake's receiving threads); their weight
+                      receives; every rank reaching the pause
+
+        The last step trains inside `generators_done()`: once its batch is taken no generator has
+        anything left to sample (admission stops at the run's last step).
         """
+        intake.open()
         for step in range(first_step, steps):
             self.tick = step
-            before_step(step)
+            self.before_step(step)
             with self.timeline.phase("rollouts", step):
-                whole = take()  # the first trainer rank answers requests for weights while it waits
-            with generators_done() if step == steps - 1 else contextlib.nullcontext():
-                record = self.train(relay(whole), whole)
-            on_step(record, whole)
-            if control is not None:
-                control.announce()
+                part, whole = intake.take(self.policy_version)
+            with self.generators_done() if step == steps - 1 else contextlib.nullcontext():
+                record = self.train(part, whole)
+            self.on_step({**record, **intake.figures()}, whole)
+            intake.announce()
             self.send_weights()
-            after_step(self.policy_version)
-        if control is not None:
-            control.stop()
-
-    def answer_weight_requests(self, control: StreamControl) -> None:
-        """Sends the current weights again when a restarted generator asked for them (stream mode)."""
-        wanted = control.weights_wanted()
-        if wanted > self._answered:
-            self._answered = wanted
-            control.announce()
-            self.send_weights()
+            intake.pause_after(self.policy_version)
+        intake.close()

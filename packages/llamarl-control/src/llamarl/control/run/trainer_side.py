@@ -12,16 +12,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TextIO
 
 import torch
-import torch.distributed as dist
 
 from llamarl.comm import WeightSender, WeightSyncEndpoint, WeightSyncGroup
+from llamarl.control.config import RunConfig
 from llamarl.control.launch.devices import generation_dtype, trainer_compute_dtype, weight_wire_dtype
 from llamarl.control.outputs.metrics import MetricsLogger
 from llamarl.control.outputs.report import write_report
@@ -29,16 +26,16 @@ from llamarl.control.outputs.summary import build_summary, write_summary
 from llamarl.control.run import checkpoint as ckpt
 from llamarl.control.run.channels.buffer import RolloutBuffer
 from llamarl.control.run.channels.rollouts import concat_rollouts, recv_rollouts, send_rollouts
-from llamarl.control.run.channels.stream import StreamControl, drain_into_buffer
+from llamarl.control.run.channels.stream import PauseServer, StreamControl
 from llamarl.control.run.channels.weights import FIRST_TRAINER_RANK, open_sender
 from llamarl.control.run.evaluation import EvalResult
+from llamarl.control.run.rank_states import TrainerRankState, TrainerRunState
 from llamarl.control.run.schedule import Tick
 from llamarl.control.run.side import Side
+from llamarl.control.run.trainer_intake import Message, RelayedIntake, TrainerIntake
 from llamarl.control.run.trainer_loop import TrainerLoop
 from llamarl.exec import PolicyTrainer
 from llamarl.exec.types import RolloutBatch
-
-TRAINED_LOG = "trained_groups.jsonl"  # OUTPUT_DIR/...: the groups each step trained on
 
 
 class TrainerSide(Side):
@@ -50,7 +47,21 @@ class TrainerSide(Side):
     trainer: PolicyTrainer | None = None
     weight_group: WeightSyncGroup | None = None
     sender: WeightSender | None = None
-    trained_log: TextIO | None = None  # first trainer rank: OUTPUT_DIR/trained_groups.jsonl
+    trained_log: TrainedGroupsLog | None = None  # first trainer rank: OUTPUT_DIR/trained_groups.jsonl
+    loop: TrainerLoop
+    logger: MetricsLogger  # first trainer rank
+
+    def __init__(
+        self, config: RunConfig, train_examples: list[dict], eval_examples: list[dict], *, rank: int
+    ) -> None:
+        super().__init__(config, train_examples, eval_examples, rank=rank)
+        self.step_records: list[dict[str, float]] = []  # first trainer rank: every step's metrics
+        self.evaluations: list[EvalResult] = []  # first trainer rank: every evaluation, in order
+        # Lock step: (this rank's part, the whole batch on the first rank) arrived, not yet trained on.
+        self._received: tuple[RolloutBatch, RolloutBatch] | None = None
+        # Stream mode: where the batches come from (the buffer on the first trainer rank, its relay on
+        # the others), built with the channels so that a resumed run restores it before the stream.
+        self.intake: TrainerIntake | RelayedIntake | None = None
 
     def build_executors(self) -> None:
         cfg = self.config
@@ -70,15 +81,6 @@ class TrainerSide(Side):
             group=self.trainer_group if sharded else None,
         )
         self.trainer.setup()
-        self.stream_counts: dict[str, int] = {}  # stream mode: the buffer's counts at the end
-        self.step_records: list[dict[str, float]] = []  # first trainer rank: every step's metrics
-        self.evaluations: list[EvalResult] = []  # first trainer rank: every evaluation, in order
-        # (this rank's part, the whole batch on the first rank) arrived, not yet trained on
-        self._received: tuple[RolloutBatch, RolloutBatch] | None = None
-        # Stream mode on the first trainer rank: the buffer, the shared counters and the batches
-        # discarded after the run ended; a resumed run's saved buffer and counters until the stream starts.
-        self._stream: tuple[RolloutBuffer, StreamControl, list[int]] | None = None
-        self._restored_stream: dict[str, Any] | None = None
 
     def open_channels(self, endpoint: WeightSyncEndpoint | None) -> None:
         cfg = self.config
@@ -96,64 +98,87 @@ class TrainerSide(Side):
             timeline=self.timeline,
             paused_s=lambda: self._eval_s_in_loop,
             tolerate_sync_failures=cfg.replaces_engines,
+            before_step=self.faults.strike,
+            generators_done=self.borrow_cores,
+            on_step=self._log_step,
         )
+        if cfg.schedule.mode == "stream":
+            self.intake = self._open_intake()
         if self.is_logger:
-            self.output_dir.mkdir(parents=True, exist_ok=True)
-            saved = self.resumed.run_state if self.resumed is not None else {}
-            if self.resumed is not None:  # lines written after the checkpoint are made again, so cut them
-                ckpt.truncate(self.output_dir / "metrics.jsonl", saved["metrics_bytes"])
-                ckpt.truncate(self.output_dir / TRAINED_LOG, saved.get("trained_bytes", 0))
-            elif (self.output_dir / TRAINED_LOG).exists():
-                (self.output_dir / TRAINED_LOG).unlink()  # a fresh run in an old output folder
-            self.trained_log = (self.output_dir / TRAINED_LOG).open("a", encoding="utf-8")
-            self.logger = MetricsLogger(
-                output_dir=self.output_dir,
-                total_steps=cfg.schedule.steps,
-                config=cfg.model_dump(mode="json"),
-                wandb_project=cfg.output.wandb_project if cfg.output.wandb else None,
-                wandb_id=saved.get("wandb_id"),
-                initial_step=saved.get("policy_version", 0),
-            )
+            self._open_logs()
+
+    def _open_logs(self) -> None:
+        """The first trainer rank's metrics and trained-groups logs (cut back to the checkpoint's lengths
+        on resume: the lines written after it are made again)."""
+        cfg = self.config
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        saved = None if self.resumed is None else TrainerRunState.from_dict(self.resumed.run_state)
+        if saved is not None:
+            ckpt.truncate(self.output_dir / "metrics.jsonl", saved.metrics_bytes)
+        self.trained_log = TrainedGroupsLog(self.output_dir, None if saved is None else saved.trained_bytes)
+        self.logger = MetricsLogger(
+            output_dir=self.output_dir,
+            total_steps=cfg.schedule.steps,
+            config=cfg.model_dump(mode="json"),
+            wandb_project=cfg.output.wandb_project if cfg.output.wandb else None,
+            wandb_id=None if saved is None else saved.wandb_id,
+            initial_step=0 if self.resumed is None else self.resumed.policy_version,
+        )
+
+    def _open_intake(self) -> TrainerIntake | RelayedIntake:
+        """Stream mode: where this rank's batches come from (`llamarl.control.run.trainer_intake`)."""
+        cfg = self.config
+        pauses = PauseServer(self.in_stream_pause)
+        if not self.is_logger:  # another FSDP2 trainer rank: its part of every batch comes from rank 0
+            return RelayedIntake(receive=self._receive_part, pauses=pauses, plan=self.plan)
+        control = StreamControl(self.store)
+        return TrainerIntake(
+            control=control,
+            buffer=RolloutBuffer(
+                capacity_groups=cfg.buffer_groups,
+                max_policy_lag=cfg.schedule.max_policy_lag,
+                ticket_of=control.ticket_of,  # groups are taken in admission order
+            ),
+            generators=self.generator_ranks,
+            receive=self._stream_from,
+            stats=self.loop.generator_stats,
+            relay=self._split_across_trainers,
+            send_weights=self.loop.send_weights,
+            pauses=pauses,
+            plan=self.plan,
+            prompts_per_step=cfg.schedule.prompts_per_step,
+            timeout_s=cfg.launch.timeout_s,
+        )
 
     def restore(self, resume: ckpt.Resume) -> None:
         ckpt.load_trainer(resume.found, self.trainer.model, self.trainer.optimizer, self.trainer_group)
-        self.trainer.policy_version = resume.run_state["policy_version"]
+        self.trainer.policy_version = resume.policy_version
+        mine = TrainerRankState.from_dict(resume.rank_state)
+        if self.intake is not None:  # stream mode: the buffered groups and the shared counters
+            self.intake.restore(mine.intake)
         if self.is_logger:
-            saved = resume.run_state
-            self.step_records = saved["step_records"]
-            self.evaluations = [EvalResult(**e) for e in saved["evaluations"]]
-            self.loop.last_sync_s = saved["last_sync_s"]
-            self.loop.generator_stats.restore(saved["generator_stats"])
-            self._restored_stream = resume.rank_state.get("stream")
+            saved = TrainerRunState.from_dict(resume.run_state)
+            self.step_records = saved.step_records
+            self.evaluations = [EvalResult(**e) for e in saved.evaluations]
+            self.loop.last_sync_s = saved.last_sync_s
+            self.loop.generator_stats.restore(saved.generator_stats)
             self.logger.write(f"resumed from {resume.found.path} (policy_version {resume.found.step})")
 
-    def checkpoint_state(self) -> dict[str, Any]:
-        if self._stream is None:
-            return {}
-        buffer, control, discarded = self._stream
-        # Taken while every generator is paused after its marker: nothing is in the channel, so the
-        # buffer and the counters are the whole of the stream's state on this side.
-        return {
-            "stream": {"buffer": buffer.state(), "admission": control.counts(), "discarded": discarded[0]}
-        }
+    def checkpoint_state(self) -> TrainerRankState:
+        return TrainerRankState(intake=None if self.intake is None else self.intake.state())
 
-    def run_state(self) -> dict[str, Any] | None:
+    def run_state(self) -> TrainerRunState | None:
         if not self.is_logger:
             return None
-        return {
-            "step_records": self.step_records,
-            "evaluations": [e.as_dict() for e in self.evaluations],
-            "last_sync_s": self.loop.last_sync_s,
-            "generator_stats": self.loop.generator_stats.state(),
-            "wandb_id": self.logger.wandb_id,
-            "metrics_bytes": self.logger.jsonl_bytes(),
-            "trained_bytes": self._trained_bytes(),
-        }
-
-    def _trained_bytes(self) -> int:
-        assert self.trained_log is not None
-        self.trained_log.flush()
-        return self.trained_log.tell()
+        return TrainerRunState(
+            step_records=self.step_records,
+            evaluations=[e.as_dict() for e in self.evaluations],
+            last_sync_s=self.loop.last_sync_s,
+            generator_stats=self.loop.generator_stats.state(),
+            wandb_id=self.logger.wandb_id,
+            metrics_bytes=self.logger.jsonl_bytes(),
+            trained_bytes=self.trained_log.length(),
+        )
 
     def trainer_parts(self) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         assert self.trainer.model is not None and self.trainer.optimizer is not None
@@ -166,8 +191,7 @@ class TrainerSide(Side):
         """The first trainer rank receives every generator's batch and relays each other trainer rank
         its part (whole groups); the other trainer ranks receive their part from it."""
         if not self.is_logger:
-            part, _ = recv_rollouts(src=FIRST_TRAINER_RANK)
-            assert part is not None
+            part = self._receive_part()
             self._received = (part, part)
             return
         batches = []
@@ -184,6 +208,16 @@ class TrainerSide(Side):
         (which forwards several generators' batches, tagged by the generator's rank)."""
         reward_rank = self.config.reward_rank_of(generator)
         return {"src": generator} if reward_rank is None else {"src": reward_rank, "tag": generator}
+
+    def _stream_from(self, generator: int) -> Message:
+        """Stream mode: the next message of generator `generator`'s stream, on the rollout group."""
+        return recv_rollouts(**self._rollout_source(generator), group=self.rollout_group)
+
+    def _receive_part(self) -> RolloutBatch:
+        """A trainer rank other than the first: its part of the batch, from the first."""
+        part, _ = recv_rollouts(src=FIRST_TRAINER_RANK)
+        assert isinstance(part, RolloutBatch)
+        return part
 
     def _split_across_trainers(self, batch: RolloutBatch) -> RolloutBatch:
         """Sends trainer rank r its part r of `batch`; returns this rank's part. Rollouts are small next
@@ -208,171 +242,17 @@ class TrainerSide(Side):
         if self.is_logger:
             self.step_records.append(record)
             self.logger.log(self.trainer.policy_version, record)
-            self._log_trained(whole)
-
-    def _log_trained(self, whole: RolloutBatch) -> None:
-        """One line of OUTPUT_DIR/trained_groups.jsonl: the groups this step trained on, by their
-        prompts' positions in the data order, with the version that sampled each group's oldest token."""
-        assert self.trained_log is not None and whole.prompt_position_B is not None
-        G = whole.group_size
-        line = {
-            "step": self.trainer.policy_version,
-            "positions": whole.prompt_position_B[::G].tolist(),
-            # a sequence's first token is its oldest (versions only grow within a sequence)
-            "oldest_versions": whole.policy_version_B.view(-1, G).min(1).values.tolist(),
-        }
-        self.trained_log.write(json.dumps(line) + "\n")
-        self.trained_log.flush()
+            self.trained_log.write(self.trainer.policy_version, whole)
 
     # ----------------------------------------------------------------------------------------------
     # stream
 
     def run_stream(self) -> None:
-        """The trainer takes groups still within max_policy_lag from the buffer the generators fill
-        (in the order admission control admitted them: no group waits forever), trains, and sends the
+        """The trainer takes groups still within max_policy_lag from the buffer the generators fill (in
+        the order admission control admitted them: no group waits forever), trains, and sends the
         weights; after the steps where an evaluation or a checkpoint is due every rank pauses."""
-        cfg = self.config
-        steps = cfg.schedule.steps
-
-        def strike(step: int) -> None:
-            self.faults.strike(step)
-
-        if not self.is_logger:  # another FSDP2 trainer rank: its part of every batch comes from rank 0
-
-            def take_part() -> RolloutBatch:
-                part, _ = recv_rollouts(src=FIRST_TRAINER_RANK)
-                assert isinstance(part, RolloutBatch)
-                return part
-
-            def pause_too(version: int) -> None:
-                for kind in self._pauses_due(version):
-                    self.in_stream_pause(kind, version)
-
-            dist.barrier()  # the first trainer rank set the shared counters
-            self.loop.stream(
-                steps=steps,
-                take=take_part,
-                relay=lambda b: b,
-                control=None,
-                on_step=self._log_step,
-                first_step=self.start_tick,
-                before_step=strike,
-                generators_done=self.borrow_cores,
-                after_step=pause_too,
-            )
-            return
-        control = StreamControl(self.store)
-        restored = self._restored_stream
-        # Groups are taken in admission order; a checkpoint written before tickets resumes in arrival order.
-        in_admission_order = restored is None or "next" in restored["buffer"]
-        buffer = RolloutBuffer(
-            capacity_groups=cfg.buffer_groups,
-            max_policy_lag=cfg.schedule.max_policy_lag,
-            ticket_of=control.ticket_of if in_admission_order else None,
-        )
-        discarded = [0]
-        if restored is not None:  # the groups buffered at the checkpoint, and the counters
-            buffer.restore(restored["buffer"])
-            control.restore_counts(restored["admission"])
-            discarded[0] = restored["discarded"]
-        self._stream = (buffer, control, discarded)
-        dist.barrier()  # generators admit requests only once the counters are set
-        errors: list[BaseException] = []
-
-        def drain(src: int) -> None:
-            try:
-                discarded[0] += drain_into_buffer(
-                    buffer,
-                    lambda: recv_rollouts(**self._rollout_source(src), group=self.rollout_group),
-                    lambda metrics: self.loop.generator_stats.update(src, metrics),
-                    timeout_s=cfg.launch.timeout_s,
-                )
-            except BaseException as e:  # the trainer's take() raises it through the closed buffer
-                errors.append(e)
-                buffer.close()
-
-        threads = [
-            threading.Thread(target=drain, args=(r,), name=f"rollouts-from-{r}", daemon=True)
-            for r in self.generator_ranks
-        ]
-        for thread in threads:
-            thread.start()
-
-        @contextmanager
-        def drain_errors() -> Iterator[None]:
-            """A wait on the buffer that fails because a receiving thread failed raises its error."""
-            try:
-                yield
-            except Exception as e:
-                if errors:
-                    raise errors[0] from e
-                raise
-
-        def take() -> RolloutBatch:
-            consumed = buffer.counts.taken + buffer.counts.dropped_stale
-            with drain_errors():
-                batch = buffer.take(
-                    cfg.schedule.prompts_per_step,
-                    current_version=self.trainer.policy_version,
-                    timeout_s=cfg.launch.timeout_s,
-                    on_wait=lambda: self.loop.answer_weight_requests(control),
-                )
-            control.consumed(buffer.counts.taken + buffer.counts.dropped_stale - consumed)
-            return batch
-
-        def on_step(record: dict[str, float], whole: RolloutBatch) -> None:
-            record["stream/dropped_stale_groups"] = float(buffer.counts.dropped_stale)
-            record["stream/buffered_groups"] = float(len(buffer))
-            self._log_step(record, whole)
-
-        def pause(version: int) -> None:
-            for kind in self._pauses_due(version):
-                markers = buffer.counts.markers + len(self.generator_ranks)
-                buffer.hold(True)  # the generators' sends never wait on a paused trainer
-                control.request_pause(kind, version)
-                if kind == "checkpoint":  # every generator sent all it had: the channel is empty
-                    with drain_errors():
-                        # A generator whose engine died asks for weights before it can pause.
-                        buffer.wait_for_markers(
-                            markers,
-                            timeout_s=cfg.launch.timeout_s,
-                            on_wait=lambda: self.loop.answer_weight_requests(control),
-                        )
-                self.in_stream_pause(kind, version)
-                buffer.hold(False)
-
-        self.loop.stream(
-            steps=steps,
-            take=take,
-            relay=self._split_across_trainers,
-            control=control,
-            on_step=on_step,
-            first_step=self.start_tick,
-            before_step=strike,
-            generators_done=self.borrow_cores,
-            after_step=pause,
-        )
-        buffer.close()  # what still arrives is received and discarded until every generator ends
-        for thread in threads:
-            thread.join(cfg.launch.timeout_s)
-            if thread.is_alive():
-                raise TimeoutError(f"{thread.name}: a generator did not end its stream in time")
-        if errors:
-            raise errors[0]
-        counts = buffer.counts
-        self.stream_counts = {
-            "dropped_stale_groups": counts.dropped_stale,
-            "received_groups": counts.received,
-            "unused_groups": counts.received - counts.taken - counts.dropped_stale,
-            "discarded_groups": discarded[0],  # arrived after the last step: sampled, never trained
-            "dropped_stale_frac": counts.dropped_stale / max(1, counts.taken + counts.dropped_stale),
-        }
-
-    def _pauses_due(self, policy_version: int) -> list[str]:
-        """The pauses after the step that made `policy_version`, in order (an evaluation first, so that
-        a checkpoint taken there holds its result)."""
-        due = ["eval"] if self.eval_due_in_stream(policy_version) else []
-        return due + (["checkpoint"] if self.checkpoint_due(policy_version) else [])
+        assert self.intake is not None
+        self.loop.stream(self.intake, steps=self.config.schedule.steps, first_step=self.start_tick)
 
     # ----------------------------------------------------------------------------------------------
     # the end
@@ -410,7 +290,7 @@ class TrainerSide(Side):
             eval_size=len(self.eval_examples),
             last_sync_s=self.loop.last_sync_s,
             sync_failures=self.loop.sync_failures,
-            stream_counts=self.stream_counts,
+            stream_counts={} if self.intake is None else self.intake.final_counts(),
             final_policy_version=self.trainer.policy_version,
             resumed_from_step=None if self.resumed is None else self.resumed.found.step,
             run_s=run_s,
@@ -432,6 +312,43 @@ class TrainerSide(Side):
         for part in (self.sender, self.weight_group, self.trainer, self.trained_log):
             if part is not None:
                 part.close()
+
+
+class TrainedGroupsLog:
+    """OUTPUT_DIR/trained_groups.jsonl: a line a step, the groups it trained on, by their prompts'
+    positions in the data order, with the version that sampled each group's oldest token. On resume it is
+    cut back to its length at the checkpoint (`length`: the steps after it are trained again)."""
+
+    NAME = "trained_groups.jsonl"
+
+    def __init__(self, output_dir: Path, resumed_length: int | None) -> None:
+        path = output_dir / self.NAME
+        if resumed_length is not None:
+            ckpt.truncate(path, resumed_length)
+        elif path.exists():
+            path.unlink()  # a fresh run in an old output folder
+        self._file: TextIO = path.open("a", encoding="utf-8")
+
+    def write(self, step: int, whole: RolloutBatch) -> None:
+        """The line of the step that made version `step` from the batch `whole`."""
+        assert whole.prompt_position_B is not None
+        G = whole.group_size
+        line = {
+            "step": step,
+            "positions": whole.prompt_position_B[::G].tolist(),
+            # a sequence's first token is its oldest (versions only grow within a sequence)
+            "oldest_versions": whole.policy_version_B.view(-1, G).min(1).values.tolist(),
+        }
+        self._file.write(json.dumps(line) + "\n")
+        self._file.flush()
+
+    def length(self) -> int:
+        """Bytes written so far (what a checkpoint keeps)."""
+        self._file.flush()
+        return self._file.tell()
+
+    def close(self) -> None:
+        self._file.close()
 
 
 def _save_model(model: torch.nn.Module, tokenizer, path: Path, state_dict: dict[str, torch.Tensor]) -> None:

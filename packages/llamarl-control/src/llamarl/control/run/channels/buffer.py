@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from llamarl.control.run.channels.rollouts import concat_rollouts
 from llamarl.exec.types import RolloutBatch
@@ -198,32 +199,31 @@ class RolloutBuffer:
             if on_wait is not None:
                 on_wait()
 
-    def state(self) -> dict:
-        """What a checkpoint keeps: every buffered group's tensors with its ticket, in ticket order, the
-        next ticket to take, and the counts."""
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps: every buffered group by its ticket, in ticket order, the next ticket
+        to take, the tickets dropped ahead of it, the counts, and whether groups go in admission order.
+        (`llamarl.control.run.legacy_checkpoints` reads the states of older checkpoints.)"""
         with self._cond:
             return {
-                "groups": [(t, g.tensors(), g.group_size) for t, g in sorted(self._groups.items())],
+                "groups": {t: g.state() for t, g in sorted(self._groups.items())},
                 "next": self._next,
                 "arrivals": self._arrivals,
                 "gone": sorted(self._gone),
                 "counts": vars(self.counts).copy(),
+                "in_admission_order": self.ticket_of is not None,
             }
 
-    def restore(self, state: dict) -> None:
-        """Puts back a checkpoint's groups and counts (before anything else is put)."""
+    def restore(self, state: dict[str, Any]) -> None:
+        """Puts back a checkpoint's groups and counts (before anything else is put). A buffer saved in
+        arrival order (a checkpoint from before admission tickets) goes on in arrival order."""
         with self._cond:
             self.counts = BufferCounts(**state["counts"])
-            entries = state["groups"]
-            if "next" not in state:  # a checkpoint from before tickets: its groups in arrival order
-                consumed = self.counts.taken + self.counts.dropped_stale
-                entries = [(consumed + i, *entry) for i, entry in enumerate(entries)]
-            self._groups = {
-                t: RolloutBatch(group_size=group_size, **tensors) for t, tensors, group_size in entries
-            }
-            self._next = state.get("next", self.counts.taken + self.counts.dropped_stale)
-            self._arrivals = state.get("arrivals", self._next + len(self._groups))
-            self._gone = set(state.get("gone", ()))
+            self._groups = {int(t): RolloutBatch.from_state(g) for t, g in state["groups"].items()}
+            self._next = state["next"]
+            self._arrivals = state["arrivals"]
+            self._gone = set(state["gone"])
+            if not state["in_admission_order"]:
+                self.ticket_of = None
 
     def close(self) -> None:
         """Wakes every waiter with BufferClosed; later puts and takes fail at once."""

@@ -9,6 +9,9 @@ Shape legend: B sequences, P prompt length, C completion length, M generator met
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -65,6 +68,28 @@ _DTYPES = {
     "prompt_position_B": torch.int64,
 }
 _HEADER_LEN = 4  # B, P, C, group_size
+
+
+@dataclass
+class PendingBatch:
+    """A batch made and not yet handed on, with the generator metrics that travel with it: a generator's
+    batch between lock-step phases (async: made in one tick, sent in the next) or a stream request's
+    batch until its outbox takes it; a reward rank's scored batch until it forwards it."""
+
+    batch: RolloutBatch
+    metrics: dict[str, float]
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps (tensors and plain values); `from_state` reads it back."""
+        return {"batch": self.batch.state(), "metrics": dict(self.metrics)}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> PendingBatch:
+        return cls(RolloutBatch.from_state(state["batch"]), dict(state["metrics"]))
+
+    def send(self, *, dst: int, group: dist.ProcessGroup | None = None, tag: int = 0) -> None:
+        """`send_rollouts` of the batch and its metrics."""
+        send_rollouts(self.batch, self.metrics, dst=dst, group=group, tag=tag)
 
 
 class ChannelError(RuntimeError):

@@ -7,6 +7,8 @@ the next ones, and every rank reads the run's few shared counters from the launc
   a group that would be too stale to train on by the time the trainer takes it (as AReaL bounds the
   versions in flight), and each group's admission ticket: the trainer takes groups in the order they
   were admitted, which is what the bound assumes. Cheap reads, polled between decoding steps.
+- `PauseServer`: a rank's part of every pause, each once, in the order the trainer asked for them (every
+  side serves pauses through one: generators, reward ranks, trainer ranks).
 - `RolloutOutbox`: a generator's sending side; a thread sends while the generator samples on, and a
   full trainer buffer holds the generator back (back-pressure) while it can still take new weights.
   Before a checkpoint it sends a marker after what it queued (`mark`).
@@ -25,14 +27,22 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Protocol
 
 from llamarl.control.run.channels.buffer import BufferClosed, RolloutBuffer
 from llamarl.control.run.channels.rollouts import CHECKPOINT_MARKER
-from llamarl.control.run.schedule import stream_admits
+from llamarl.control.run.schedule import PauseKind, stream_admits
 from llamarl.exec.types import RolloutBatch
 
-__all__ = ["KeyValueStore", "Pause", "RolloutOutbox", "StreamControl", "drain_into_buffer"]
+__all__ = [
+    "KeyValueStore",
+    "Pause",
+    "PauseOrderError",
+    "PauseServer",
+    "RolloutOutbox",
+    "StreamControl",
+    "drain_into_buffer",
+]
 
 
 class KeyValueStore(Protocol):
@@ -57,7 +67,7 @@ class Pause:
     `policy_version`: a checkpoint, or an evaluation inside the loop."""
 
     number: int  # 1, 2, ... in the order requested
-    kind: Literal["checkpoint", "eval"]
+    kind: PauseKind
     policy_version: int
 
 
@@ -104,7 +114,7 @@ class StreamControl:
 
     # pauses ---------------------------------------------------------------------------------------
 
-    def request_pause(self, kind: Literal["checkpoint", "eval"], policy_version: int) -> Pause:
+    def request_pause(self, kind: PauseKind, policy_version: int) -> Pause:
         """Trainer: every generator should pause (between two decoding steps) for `kind`."""
         number = self.store.add(self._PAUSES, 0) + 1
         self.store.set(f"{self._PAUSES}/{number}", json.dumps([kind, policy_version]))
@@ -209,6 +219,47 @@ class StreamControl:
         return self.store.add(self._TAKEN, 0)
 
 
+class PauseOrderError(RuntimeError):
+    """A pause served out of the order the trainer requested it in (or twice)."""
+
+
+class PauseServer:
+    """A rank's part of the stream's pauses: each pause served once, in the order requested.
+
+    `serve(pause)` runs this rank's part of a pause (`Side.in_stream_pause`: an evaluation or a
+    checkpoint, a collective over every rank). Generators and reward ranks learn of pauses from the
+    store (`serve_requested`); the first trainer rank requests each and serves it (`serve`); the other
+    trainer ranks plan the same pauses themselves (`serve_next`). Every rank thus takes part in the same
+    pauses in the same order, which is what their collectives need.
+    """
+
+    def __init__(self, serve: Callable[[Pause], None]) -> None:
+        self._serve = serve
+        self.served = 0  # the number of the last pause served
+
+    def serve(self, pause: Pause) -> None:
+        """Serves `pause`, which must be the one after the last served."""
+        if pause.number != self.served + 1:
+            raise PauseOrderError(
+                f"pause {pause.number} ({pause.kind}) after pause {self.served}: out of order"
+            )
+        self._serve(pause)
+        self.served = pause.number
+
+    def serve_next(self, kind: PauseKind, policy_version: int) -> None:
+        """Serves the next pause, planned here (the trainer ranks other than the first)."""
+        self.serve(Pause(self.served + 1, kind, policy_version))
+
+    def pending(self, control: StreamControl) -> bool:
+        """Whether the trainer requested a pause this rank has not served yet (cheap: one store read)."""
+        return control.pauses_requested() > self.served
+
+    def serve_requested(self, control: StreamControl) -> None:
+        """Serves every pause the trainer requested and this rank has not served yet, in order."""
+        while self.pending(control):
+            self.serve(control.pause(self.served + 1))
+
+
 class RolloutOutbox:
     """A generator's sending side in stream mode: a thread sends finished batches while the generator
     samples the next one. `put` waits while one batch is already queued (back-pressure from a full
@@ -229,6 +280,12 @@ class RolloutOutbox:
         self._thread.start()
 
     def _loop(self) -> None:
+        """The sending thread.
+
+        consumes:     the batches, markers and end of stream queued (one at a time)
+        waits for:    the next one queued; the trainer side's receive of each (the channel's deadline)
+        unblocked by: the generator's `put`, `mark`, `close`; the trainer's receiving thread
+        """
         while True:
             batch, metrics = self._queue.get()
             try:
