@@ -244,14 +244,20 @@ def test_arith_app_evaluates_greedy_and_sampled_with_a_paired_interval(tiny_mode
     assert summary["task"] == "arith" and summary["eval_size"] == 6
     # start, inside the loop before tick 2 (weights of version 2 in sync mode), end
     assert [e["policy_version"] for e in summary["eval_history"]] == [0, 2, 3]
-    for key in ("eval_accuracy", "eval_sampled_accuracy"):
+    for key in ("eval_accuracy", "eval_sampled_accuracy", "eval_reward", "eval_sampled_reward"):
         delta, low, high = summary[f"{key}_delta_ci95"]
         assert low <= delta <= high
         assert delta == pytest.approx(summary[f"{key}_end"] - summary[f"{key}_start"])
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [m for m in metrics if "eval/accuracy" in m]
     assert [m["eval/policy_version"] for m in evals] == [0, 2, 3]
-    assert all(0 <= m["eval/sampled_accuracy"] <= 1 for m in evals)
+    assert all(0 <= m["eval/sampled_accuracy"] <= 1 and "eval/sampled_reward_mean" in m for m in evals)
+    # Every answer of every evaluation is written beside the training samples: 6 greedy and 6 x 2
+    # sampled, three times; arith's answer checker says whether each is right.
+    answers = [json.loads(line) for line in (out / "eval_samples.rank1.jsonl").read_text().splitlines()]
+    assert len(answers) == 3 * (6 + 12) and {a["policy_version"] for a in answers} == {0, 2, 3}
+    assert all(a["correct"] in (True, False) and a["correct"] == (a["reward"] == 1.0) for a in answers)
+    assert sum(a["greedy"] for a in answers) == 3 * 6
     assert len([m for m in metrics if "train/reward_mean" in m]) == 3
     # Step times leave out the evaluation inside the loop, exactly as measured: step 3's time is the
     # time between the ends of training steps 2 and 3 less the evaluation before tick 2 (the trace's own

@@ -24,6 +24,8 @@ FIGURES = (  # summary.json key, label
     ("eval_accuracy_end", "greedy accuracy, end"),
     ("eval_sampled_accuracy_start", "sampled accuracy, start"),
     ("eval_sampled_accuracy_end", "sampled accuracy, end"),
+    ("eval_reward_start", "greedy mean reward, start"),
+    ("eval_reward_end", "greedy mean reward, end"),
     ("peak_rss_mb_total", "peak memory, all processes (MB)"),
     ("wall_s", "wall (s)"),
 )

@@ -40,19 +40,45 @@ def test_mismatched_question_lists_are_refused():
     assert paired_delta_ci([0.0, 1.0], [1.0, 1.0])[0] == 0.5  # two are enough
 
 
-def test_eval_result_accuracies():
-    result = EvalResult(policy_version=3, greedy_Q=[1.0, 0.0, 1.0, 1.0], sampled_Q=[0.5, 0.0, 0.25, 0.25])
-    assert result.accuracy == 0.75 and result.sampled_accuracy == 0.25 and result.has_samples
-    assert EvalResult(**result.as_dict()) == result  # what a checkpoint keeps reads back the same
-    assert result.as_dict() == {
-        "policy_version": 3,
-        "greedy_Q": result.greedy_Q,
-        "sampled_Q": result.sampled_Q,
+def test_an_evaluation_reports_accuracy_where_the_task_judges_and_the_mean_reward_always():
+    # A task whose rewards sum to 1.5 (an answer checker plus a bonus): the mean reward is not accuracy.
+    scores_4Q = [[1.5, 0.5, 1.5, 0.0], [1.0, 0.0, 1.0, 0.0], [0.75, 0.0, 1.5, 0.5], [0.5, 0.0, 1.0, 0.0]]
+    judged = EvalResult.from_scores(scores_4Q, 3, sampled=True, judged=True)
+    assert judged.accuracy == 0.5 and judged.reward_mean == 0.875
+    assert judged.sampled_accuracy == 0.375 and judged.sampled_reward_mean == 0.6875
+    assert judged.metrics() == {
+        "eval/accuracy": 0.5,
+        "eval/reward_mean": 0.875,
+        "eval/sampled_accuracy": 0.375,
+        "eval/sampled_reward_mean": 0.6875,
+        "eval/policy_version": 3,
     }
-    greedy_only = EvalResult(policy_version=0, greedy_Q=[1.0, 0.0])
-    assert not greedy_only.has_samples
-    with pytest.raises(ValueError, match="eval_samples"):
-        _ = greedy_only.sampled_accuracy
+    assert EvalResult(**judged.as_dict()) == judged  # what a checkpoint keeps reads back the same
+    assert judged.describe() == (
+        "greedy accuracy 0.500, greedy mean reward 0.875, sampled accuracy 0.375, sampled mean reward 0.688 "
+        "on 4 questions"
+    )
+    unjudged = EvalResult.from_scores(scores_4Q, 3, sampled=False, judged=False)
+    assert unjudged.accuracy is None and unjudged.sampled_accuracy is None and not unjudged.has_samples
+    assert unjudged.metrics() == {"eval/reward_mean": 0.875, "eval/policy_version": 3}
+    assert unjudged.describe() == "greedy mean reward 0.875 on 4 questions"
+
+
+def test_the_summary_names_each_held_out_figure_truly_and_reads_old_checkpoints():
+    from llamarl.control.outputs.summary import eval_summary
+    from llamarl.control.run.legacy_checkpoints import evaluation
+
+    start = EvalResult.from_scores([[1.5, 0.0], [1.0, 0.0], [0, 0], [0, 0]], 0, sampled=False, judged=True)
+    end = EvalResult.from_scores([[1.5, 1.5], [1.0, 1.0], [0, 0], [0, 0]], 4, sampled=False, judged=True)
+    summary = eval_summary([start, end])
+    assert (summary["eval_accuracy_start"], summary["eval_accuracy_end"]) == (0.5, 1.0)
+    assert (summary["eval_reward_start"], summary["eval_reward_end"]) == (0.75, 1.5)
+    assert summary["eval_sampled_accuracy_start"] is None and "eval_sampled_reward_delta_ci95" not in summary
+    assert summary["eval_history"][1] == {"policy_version": 4, "accuracy": 1.0, "reward_mean": 1.5}
+    # An evaluation saved before accuracy and reward were told apart held rewards only.
+    old = {"policy_version": 2, "greedy_Q": [1.0, 0.5], "sampled_Q": None}
+    restored = EvalResult(**evaluation(old))
+    assert restored.reward_mean == 0.75 and restored.accuracy is None
 
 
 class _Counters:

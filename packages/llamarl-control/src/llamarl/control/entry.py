@@ -39,6 +39,8 @@ SUMMARY_SHOWN = (
     "weight_sync_s",
     "eval_accuracy_start",
     "eval_accuracy_end",
+    "eval_reward_start",
+    "eval_reward_end",
     "final_policy_version",
     "peak_rss_mb_total",
     "peak_pss_mb_total",

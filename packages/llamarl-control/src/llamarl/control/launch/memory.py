@@ -256,6 +256,8 @@ def classify_process(process: psutil.Process, root_pid: int, worker_label: str) 
         return "child", "helper"
     if "vllm/server.py" in command:  # llamarl.exec.generate.vllm.server, run as a script
         return "vllm engine", "engine"
+    if "llamarl.exec.reward.worker" in command:  # `python -c` of llamarl.exec.reward.pool's workers
+        return "reward worker", "worker"
     # The module it runs, not the bare name: every spawned child's command line carries the launcher's
     # "-Wignore:resource_tracker:UserWarning".
     if "multiprocessing.resource_tracker import" in command:

@@ -36,6 +36,7 @@ from llamarl.control.launch.failures import (
     write_error_record,
 )
 from llamarl.control.launch.nodes import NodeWatch, describe_lost, nodes_as_records
+from llamarl.control.launch.progress import ProgressMark, progress_path
 from llamarl.control.launch.threads import rank_threads
 from llamarl.control.tasks import Task
 from llamarl.control.tasks.registry import register_task
@@ -79,6 +80,7 @@ def run_rank_process(
     rank = int(os.environ.get("RANK", -1))
     record_path = Path(errors_dir, f"rank{rank}.json")
     nodes = NodeWatch()
+    progress = ProgressMark(progress_path(errors_dir, rank))  # read by the launcher if the run stalls
     try:
         config = _start(config, task, record_path, nodes)
         from llamarl.control.launch.spmd import (
@@ -86,10 +88,11 @@ def run_rank_process(
         )
 
         # closes its side, also on failure
-        summary = run_rank(config, train_rows, eval_rows, draw_report=draw_report)
+        summary = run_rank(config, train_rows, eval_rows, draw_report=draw_report, progress=progress)
         nodes.stop()
         dist.destroy_process_group()
         discard_unused_error_record(record_path)  # a rank that did not fail leaves no record
+        progress.close()
         return {"summary": summary, "summary_host": os.environ.get("MASTER_ADDR", socket.gethostname())}
     except BaseException as e:
         record = _record(rank, e, nodes, record_path)

@@ -16,6 +16,7 @@ from typing import Any
 import torch.distributed as dist
 
 from llamarl.control.config import Role, RunConfig
+from llamarl.control.launch.progress import ProgressMark
 from llamarl.control.run.generator_side import GeneratorSide
 from llamarl.control.run.reward_side import RewardSide
 from llamarl.control.run.side import Side
@@ -25,12 +26,18 @@ SIDES: dict[Role, type[Side]] = {"trainer": TrainerSide, "generator": GeneratorS
 
 
 def run_rank(
-    config: RunConfig, train_rows: list[dict], eval_rows: list[dict], *, draw_report: bool = True
+    config: RunConfig,
+    train_rows: list[dict],
+    eval_rows: list[dict],
+    *,
+    draw_report: bool = True,
+    progress: ProgressMark | None = None,
 ) -> dict[str, Any] | None:
     """Runs this rank's side of the job; returns the summary on the first trainer rank, None elsewhere.
-    The first trainer rank draws report.png if `draw_report` (not when the launcher draws it)."""
+    The first trainer rank draws report.png if `draw_report` (not when the launcher draws it); the side
+    marks its progress in `progress`."""
     rank = dist.get_rank()
-    side: Side = SIDES[config.role_of(rank)](config, train_rows, eval_rows, rank=rank)
+    side: Side = SIDES[config.role_of(rank)](config, train_rows, eval_rows, rank=rank, progress=progress)
     side.draw_report = draw_report
     try:
         side.setup()

@@ -59,7 +59,7 @@ def load_run(output_dir: Path, name: str | None = None) -> RunRecord:
     if metrics_path.is_file():
         for line in metrics_path.read_text().splitlines():
             record = json.loads(line)
-            if "eval/accuracy" in record:
+            if "eval/policy_version" in record:
                 run.evals.append(record)
             elif "train/reward_mean" in record:
                 run.steps.append(record)
@@ -123,13 +123,19 @@ def plot_rewards(ax, run: RunRecord, color: str | None = None) -> None:
 
 
 def plot_eval(ax, run: RunRecord, color: str | None = None) -> None:
-    """Held-out accuracy against the policy_version that answered: greedy, and sampled when scored."""
+    """Held-out accuracy against the policy_version that answered (greedy, and sampled when scored), on a
+    0-1 axis; for a task that does not say when an answer is right, its held-out mean reward instead, on
+    an axis of its own."""
+    judged = any("eval/accuracy" in r for r in run.evals)
+    greedy, sampled = ("eval/accuracy", "eval/sampled_accuracy") if judged else ("eval/reward_mean", "eval/sampled_reward_mean")
     versions = [int(r["eval/policy_version"]) for r in run.evals]
-    ax.plot(versions, [r["eval/accuracy"] for r in run.evals], "o-", color=color, label=f"{run.name} greedy")
-    if any("eval/sampled_accuracy" in r for r in run.evals):
-        sampled = [r.get("eval/sampled_accuracy", float("nan")) for r in run.evals]
-        ax.plot(versions, sampled, "s--", color=color, label=f"{run.name} sampled")
-    ax.set(title="held-out accuracy", xlabel="policy_version", ylabel="accuracy", ylim=(0, 1))
+    ax.plot(versions, [r.get(greedy, float("nan")) for r in run.evals], "o-", color=color, label=f"{run.name} greedy")
+    if any(sampled in r for r in run.evals):
+        ax.plot(versions, [r.get(sampled, float("nan")) for r in run.evals], "s--", color=color, label=f"{run.name} sampled")
+    if judged:
+        ax.set(title="held-out accuracy", xlabel="policy_version", ylabel="accuracy", ylim=(0, 1))
+    else:
+        ax.set(title="held-out mean reward", xlabel="policy_version", ylabel="mean reward")
 
 
 def plot_step_times(ax, run: RunRecord, color: str | None = None) -> None:
@@ -205,8 +211,7 @@ def write_report(output_dir: Path) -> Path:
     s = run.summary
     title = (
         f"{s.get('task')} {s.get('mode')}: {s.get('steps')} steps, "
-        f"{s.get('step_time_s', float('nan')):.1f} s/step, "
-        f"accuracy {_fmt(s.get('eval_accuracy_start'))} -> {_fmt(s.get('eval_accuracy_end'))}"
+        f"{s.get('step_time_s', float('nan')):.1f} s/step, " + _held_out(s)
     )
     memory = memory_line(s)
     if memory:
@@ -260,3 +265,10 @@ def _wrap(line: str, width: int) -> list[str]:
 
 def _fmt(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.3f}"
+
+
+def _held_out(summary: dict) -> str:
+    """The title's held-out figure: accuracy where the task has one, else the mean reward."""
+    name = "accuracy" if summary.get("eval_accuracy_start") is not None else "reward"
+    start, end = summary.get(f"eval_{name}_start"), summary.get(f"eval_{name}_end")
+    return f"held-out {'accuracy' if name == 'accuracy' else 'mean reward'} {_fmt(start)} -> {_fmt(end)}"

@@ -93,22 +93,29 @@ def write_summary(output_dir: Path, summary: dict[str, Any]) -> None:
 
 
 def eval_summary(history: list[EvalResult]) -> dict[str, Any]:
-    """Start and end accuracies, their paired 95% confidence intervals of the change, every evaluation."""
+    """Start and end of each held-out figure, the paired 95% confidence interval of its change, and every
+    evaluation: accuracy where the task says when an answer is right, the mean reward always, each under
+    its own name (None where there is no such figure)."""
+    names = ("accuracy", "reward", "sampled_accuracy", "sampled_reward")
     if not history:
-        return {"eval_accuracy_start": None, "eval_accuracy_end": None}
+        return {f"eval_{name}_{end}": None for name in names for end in ("start", "end")}
     first, last = history[0], history[-1]
-    summary: dict[str, Any] = {
-        "eval_accuracy_start": first.accuracy,
-        "eval_accuracy_end": last.accuracy,
-        "eval_accuracy_delta_ci95": paired_delta_ci(first.greedy_Q, last.greedy_Q),
+    per_question = {
+        "accuracy": lambda r: r.greedy_correct_Q,
+        "reward": lambda r: r.greedy_reward_Q,
+        "sampled_accuracy": lambda r: r.sampled_correct_Q,
+        "sampled_reward": lambda r: r.sampled_reward_Q,
     }
-    if first.has_samples:
-        summary["eval_sampled_accuracy_start"] = first.sampled_accuracy
-        summary["eval_sampled_accuracy_end"] = last.sampled_accuracy
-        summary["eval_sampled_accuracy_delta_ci95"] = paired_delta_ci(first.sampled_Q, last.sampled_Q)
+    summary: dict[str, Any] = {}
+    for name in names:
+        before, after = per_question[name](first), per_question[name](last)
+        summary[f"eval_{name}_start"] = None if before is None else sum(before) / len(before)
+        summary[f"eval_{name}_end"] = None if after is None else sum(after) / len(after)
+        if before is not None and after is not None and len(before) >= 2:
+            summary[f"eval_{name}_delta_ci95"] = paired_delta_ci(before, after)
     summary["eval_history"] = [
-        {"policy_version": r.policy_version, "accuracy": r.accuracy}
-        | ({"sampled_accuracy": r.sampled_accuracy} if r.has_samples else {})
+        {"policy_version": r.policy_version}
+        | {k.removeprefix("eval/"): v for k, v in r.metrics().items() if k != "eval/policy_version"}
         for r in history
     ]
     return summary

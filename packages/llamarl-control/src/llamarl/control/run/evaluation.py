@@ -14,31 +14,95 @@ from typing import Any, Protocol
 Z_95 = 1.959964  # two-sided 95% quantile of the standard normal
 
 
+EVAL_SCORES = ("greedy_reward", "greedy_correct", "sampled_reward", "sampled_correct")
+"""The rows of an evaluation's per-question scores (a [4, Q] tensor that every rank adds its share into,
+`evaluate`): the greedy answer's reward and whether it is right, and over the K sampled answers the mean
+reward and the fraction right."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class EvalResult:
-    """One evaluation of the generators' policy on the held-out questions."""
+    """One evaluation of the generators' policy on the held-out questions.
+
+    Accuracy is reported only where the task says when an answer is right (`Task.correct`); the mean
+    reward always, under its own name (a task's rewards need not lie in [0, 1], nor mean "right").
+    """
 
     policy_version: int  # the weights that answered
-    greedy_Q: list[float]  # 1.0 where the greedy answer was right
-    sampled_Q: list[float] | None = None  # mean reward of the sampled answers; None when not sampled
+    greedy_reward_Q: list[float]  # the reward of the greedy answer
+    greedy_correct_Q: list[float] | None = None  # 1.0 where it was right; None: the task does not say
+    sampled_reward_Q: list[float] | None = None  # mean reward of the K sampled answers; None: not sampled
+    sampled_correct_Q: list[float] | None = None  # the fraction of them that was right
+
+    @classmethod
+    def from_scores(
+        cls, scores_4Q: list[list[float]], policy_version: int, *, sampled: bool, judged: bool
+    ) -> EvalResult:
+        """The result from the summed per-question scores (rows as `EVAL_SCORES`)."""
+        greedy_reward, greedy_correct, sampled_reward, sampled_correct = scores_4Q
+        return cls(
+            policy_version=policy_version,
+            greedy_reward_Q=greedy_reward,
+            greedy_correct_Q=greedy_correct if judged else None,
+            sampled_reward_Q=sampled_reward if sampled else None,
+            sampled_correct_Q=sampled_correct if sampled and judged else None,
+        )
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready fields (what a checkpoint keeps); `EvalResult(**d)` reads them back."""
         return asdict(self)
 
     @property
-    def accuracy(self) -> float:
-        return sum(self.greedy_Q) / len(self.greedy_Q)
+    def judged(self) -> bool:
+        """Whether the task says when an answer is right (then there is an accuracy)."""
+        return self.greedy_correct_Q is not None
 
     @property
     def has_samples(self) -> bool:
-        return self.sampled_Q is not None
+        return self.sampled_reward_Q is not None
 
     @property
-    def sampled_accuracy(self) -> float:
-        if self.sampled_Q is None:
-            raise ValueError("this evaluation sampled no answers (eval_samples was 0)")
-        return sum(self.sampled_Q) / len(self.sampled_Q)
+    def accuracy(self) -> float | None:
+        """The fraction of greedy answers that were right; None when the task does not say."""
+        return None if self.greedy_correct_Q is None else _mean(self.greedy_correct_Q)
+
+    @property
+    def reward_mean(self) -> float:
+        return _mean(self.greedy_reward_Q)
+
+    @property
+    def sampled_accuracy(self) -> float | None:
+        return None if self.sampled_correct_Q is None else _mean(self.sampled_correct_Q)
+
+    @property
+    def sampled_reward_mean(self) -> float | None:
+        return None if self.sampled_reward_Q is None else _mean(self.sampled_reward_Q)
+
+    def metrics(self) -> dict[str, float]:
+        """The metrics record of this evaluation, each figure under its true name."""
+        figures = {
+            "eval/accuracy": self.accuracy,
+            "eval/reward_mean": self.reward_mean,
+            "eval/sampled_accuracy": self.sampled_accuracy,
+            "eval/sampled_reward_mean": self.sampled_reward_mean,
+        }
+        return {k: v for k, v in figures.items() if v is not None} | {
+            "eval/policy_version": self.policy_version
+        }
+
+    def describe(self) -> str:
+        """One line for the log: accuracy where there is one, the mean reward always."""
+        parts = [] if self.accuracy is None else [f"greedy accuracy {self.accuracy:.3f}"]
+        parts.append(f"greedy mean reward {self.reward_mean:.3f}")
+        if self.sampled_accuracy is not None:
+            parts.append(f"sampled accuracy {self.sampled_accuracy:.3f}")
+        if self.sampled_reward_mean is not None:
+            parts.append(f"sampled mean reward {self.sampled_reward_mean:.3f}")
+        return f"{', '.join(parts)} on {len(self.greedy_reward_Q)} questions"
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
 
 
 def paired_delta_ci(before_Q: list[float], after_Q: list[float], z: float = Z_95) -> list[float]:

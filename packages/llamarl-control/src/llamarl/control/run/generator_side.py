@@ -18,12 +18,14 @@ import torch.distributed as dist
 from llamarl.comm import WeightSyncEndpoint
 from llamarl.control.config import RunConfig
 from llamarl.control.launch.devices import generation_dtype
+from llamarl.control.launch.progress import ProgressMark
 from llamarl.control.run import checkpoint as ckpt
 from llamarl.control.run.channels.rollouts import PendingBatch, send_rollouts
 from llamarl.control.run.channels.stream import RolloutOutbox, StreamControl
 from llamarl.control.run.channels.weights import FIRST_TRAINER_RANK
 from llamarl.control.run.generator_loop import GeneratorLoop
 from llamarl.control.run.generator_stream import GeneratorStream
+from llamarl.control.run.held_out import HeldOutAnswers
 from llamarl.control.run.rank_states import GeneratorRankState
 from llamarl.control.run.sampler import EpisodeSetup, TaskSampler
 from llamarl.control.run.schedule import Tick
@@ -32,8 +34,6 @@ from llamarl.control.tasks.prompts import PromptStream, TaskPrompts
 from llamarl.exec import HFGenerator, ProcessRewarder, VLLMGenerator
 from llamarl.exec.reward.model import build_model_rewarder
 from llamarl.exec.types import Generator
-
-EVAL_CHUNK = 32  # prompts per greedy generate call during evaluation
 
 
 class GeneratorSide(Side):
@@ -45,7 +45,9 @@ class GeneratorSide(Side):
     generator: Generator | None = None
     rewarder: ProcessRewarder | None = None
     reward_model = None  # the reward model, when colocated (no reward ranks)
-    samples: TextIO | None = None
+    samples: TextIO | None = None  # OUTPUT_DIR/samples.rank{r}.jsonl
+    eval_samples: TextIO | None = None  # OUTPUT_DIR/eval_samples.rank{r}.jsonl
+    held_out: HeldOutAnswers | None = None  # this rank's share of every evaluation
     train_prompts: TaskPrompts
     eval_prompts: TaskPrompts
     episodes: EpisodeSetup | None  # a multi-turn task's environments (None: single-turn)
@@ -53,9 +55,15 @@ class GeneratorSide(Side):
     loop: GeneratorLoop  # built with the channels
 
     def __init__(
-        self, config: RunConfig, train_examples: list[dict], eval_examples: list[dict], *, rank: int
+        self,
+        config: RunConfig,
+        train_examples: list[dict],
+        eval_examples: list[dict],
+        *,
+        rank: int,
+        progress: ProgressMark | None = None,
     ) -> None:
-        super().__init__(config, train_examples, eval_examples, rank=rank)
+        super().__init__(config, train_examples, eval_examples, rank=rank, progress=progress)
         self.reward_rank = config.reward_rank_of(rank)  # where this rank's batches go to be scored
         self._pending: PendingBatch | None = None  # async mode: the batch made, not yet sent
 
@@ -135,6 +143,20 @@ class GeneratorSide(Side):
         if self.resumed is not None:  # lines written after the checkpoint are made again, so cut them
             ckpt.truncate(samples_path, GeneratorRankState.from_dict(self.resumed.rank_state).samples_bytes)
         self.samples = samples_path.open("a", encoding="utf-8")
+        eval_path = self.output_dir / f"eval_samples.rank{self.rank}.jsonl"
+        if self.resumed is not None:
+            ckpt.truncate(eval_path, GeneratorRankState.from_dict(self.resumed.rank_state).eval_samples_bytes)
+        self.eval_samples = eval_path.open("a", encoding="utf-8")
+        self.held_out = HeldOutAnswers(
+            task=self.task,
+            sampler=self.eval_sampler,
+            prompts=self.eval_prompts,
+            log=self.eval_samples,
+            first=self.generator_index,
+            num_generators=cfg.ranks.num_generators,
+            samples=cfg.eval.samples,
+            heartbeat=self.eval_heartbeat,
+        )
         self.loop = GeneratorLoop(
             generator=self.generator,
             rewarder=self.rewarder,
@@ -175,10 +197,12 @@ class GeneratorSide(Side):
 
     def checkpoint_state(self) -> GeneratorRankState:
         self.samples.flush()
+        self.eval_samples.flush()
         return GeneratorRankState(
             prompt_position=self.loop.prompts.position,
             generator_totals=self.loop.metrics(),
             samples_bytes=self.samples.tell(),
+            eval_samples_bytes=self.eval_samples.tell(),
             pending=self._pending,
             work=self.loop.work.state(),
         )
@@ -246,36 +270,13 @@ class GeneratorSide(Side):
     # ----------------------------------------------------------------------------------------------
     # evaluation
 
-    def score_evaluation(
-        self, greedy_Q: torch.Tensor, sampled_Q: torch.Tensor, version: torch.Tensor
-    ) -> None:
-        cfg = self.config
+    def score_evaluation(self, scores_4Q: torch.Tensor, version: torch.Tensor, when: str) -> None:
         version[0] = self.loop.policy_version
-        mine = list(range(len(self.eval_examples)))[self.generator_index :: cfg.ranks.num_generators]
+        assert self.held_out is not None
         with self.borrow_cores():  # the trainer waits meanwhile
-            for first in range(0, len(mine), EVAL_CHUNK):
-                chunk = mine[first : first + EVAL_CHUNK]
-                greedy_Q[chunk] = torch.tensor(
-                    self._score_questions(chunk, samples=1, greedy=True), dtype=torch.float64
-                )
-                if cfg.eval.samples:
-                    sampled_Q[chunk] = torch.tensor(
-                        self._score_questions(chunk, samples=cfg.eval.samples, greedy=False),
-                        dtype=torch.float64,
-                    )
-
-    def _score_questions(self, indices: list[int], *, samples: int, greedy: bool) -> list[float]:
-        """The mean reward of `samples` completions (or episodes) of each held-out question."""
-        batch = self.eval_sampler.sample(
-            indices,
-            samples_per_prompt=samples,
-            greedy=greedy,
-            between_steps=self.eval_heartbeat,  # the waiting ranks see progress
-        ).batch
-        scores = batch.rewards_B.tolist()
-        return [sum(scores[q * samples : (q + 1) * samples]) / samples for q in range(len(indices))]
+            self.held_out.score(scores_4Q, when=when, policy_version=self.loop.policy_version)
 
     def close(self) -> None:
-        for part in (self.rewarder, self.reward_model, self.generator, self.samples):
+        for part in (self.rewarder, self.reward_model, self.generator, self.samples, self.eval_samples):
             if part is not None:
                 part.close()

@@ -30,6 +30,7 @@ def generator_state(state: State) -> State:
         "pending": _pending(state["pending"]),
         "work": _work(state.get("stream")),
         "samples_bytes": state["samples_bytes"],
+        "eval_samples_bytes": 0,  # evaluation answers were written nowhere then
     }
 
 
@@ -127,3 +128,15 @@ def _work(old: State | None) -> State | None:
     if request is not None:  # the last request started; its tickets are every ticket in hand
         request |= {"number": old["requests"] - 1, "tickets": dict(old.get("tickets", {}))}
     return {"request": request, "requests": old["requests"], "held": list(old.get("held", []))}
+
+
+def evaluation(result: State) -> State:
+    """An evaluation of controller.json (`EvalResult.as_dict()`) in today's fields: older runs kept only
+    rewards, under the names greedy_Q and sampled_Q (and called their mean the accuracy)."""
+    if "greedy_Q" not in result:
+        return result
+    return {
+        "policy_version": result["policy_version"],
+        "greedy_reward_Q": result["greedy_Q"],
+        "sampled_reward_Q": result.get("sampled_Q"),
+    }

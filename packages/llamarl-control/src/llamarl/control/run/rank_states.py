@@ -23,6 +23,7 @@ class GeneratorRankState:
     prompt_position: int  # where its share of the data order continues
     generator_totals: dict[str, float]  # the cumulative counters (the trainer takes differences)
     samples_bytes: int  # the length of OUTPUT_DIR/samples.rank{r}.jsonl
+    eval_samples_bytes: int = 0  # the length of OUTPUT_DIR/eval_samples.rank{r}.jsonl
     pending: PendingBatch | None = None  # async mode: the batch made and not yet sent
     work: dict[str, Any] | None = None  # stream mode: the request in hand (`WorkInHand.state()`)
 
@@ -31,6 +32,7 @@ class GeneratorRankState:
             "prompt_position": self.prompt_position,
             "generator_totals": dict(self.generator_totals),
             "samples_bytes": self.samples_bytes,
+            "eval_samples_bytes": self.eval_samples_bytes,
             "pending": None if self.pending is None else self.pending.state(),
             "work": self.work,
         }
@@ -43,6 +45,7 @@ class GeneratorRankState:
             prompt_position=int(state["prompt_position"]),
             generator_totals=dict(state["generator_totals"]),
             samples_bytes=int(state["samples_bytes"]),
+            eval_samples_bytes=int(state["eval_samples_bytes"]),
             pending=None if pending is None else PendingBatch.from_state(pending),
             work=state["work"],
         )

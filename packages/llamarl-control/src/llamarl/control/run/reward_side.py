@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from llamarl.comm import WeightSyncEndpoint
 from llamarl.control.config import RunConfig
+from llamarl.control.launch.progress import ProgressMark
 from llamarl.control.run import checkpoint as ckpt
 from llamarl.control.run.channels.rollouts import (
     CHECKPOINT_MARKER,
@@ -53,9 +54,15 @@ class RewardSide(Side):
     source: TaskPrompts  # built by setup(): the task's questions and references, to score against
 
     def __init__(
-        self, config: RunConfig, train_examples: list[dict], eval_examples: list[dict], *, rank: int
+        self,
+        config: RunConfig,
+        train_examples: list[dict],
+        eval_examples: list[dict],
+        *,
+        rank: int,
+        progress: ProgressMark | None = None,
     ) -> None:
-        super().__init__(config, train_examples, eval_examples, rank=rank)
+        super().__init__(config, train_examples, eval_examples, rank=rank, progress=progress)
         # Only its map from data-order positions to examples is used (the same order on every rank).
         self.order = PromptStream(
             self.prompt_order, prompts_per_step=config.schedule.prompts_per_step, generator_index=0,

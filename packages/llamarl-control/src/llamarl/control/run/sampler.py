@@ -47,6 +47,7 @@ class Sampled:
 
     batch: RolloutBatch
     texts: list[str]  # per sample: the completion, or the episode's turns as text
+    answers: list[str]  # per sample: what is judged right or wrong (the completion, an episode's last turn)
     score_s: float = 0.0  # of the sampling time, the part spent scoring
     episodes_dropped: int = 0
     turns_mean: float = 1.0
@@ -112,7 +113,7 @@ class TaskSampler:
         start = time.perf_counter()
         with self.phase("score"):
             batch.rewards_B = torch.tensor(self.rewarder.score(prompts, texts, rows), dtype=torch.float32)
-        return Sampled(batch=batch, texts=texts, score_s=time.perf_counter() - start)
+        return Sampled(batch=batch, texts=texts, answers=texts, score_s=time.perf_counter() - start)
 
     def _episodes(self, indices: list[int], G: int, greedy: bool, between_steps) -> Sampled:
         from llamarl.exec.multiturn.episodes import episodes_to_batch
@@ -136,6 +137,7 @@ class TaskSampler:
         return Sampled(
             batch=batch,
             texts=texts,
+            answers=["" if e.dropped else e.last_text for e in episodes],
             score_s=time.perf_counter() - start,
             episodes_dropped=sum(e.dropped for e in episodes),
             turns_mean=sum(e.turns for e in episodes) / max(len(episodes), 1),

@@ -40,12 +40,13 @@ from llamarl.comm import WeightSyncEndpoint
 from llamarl.control.config import RunConfig
 from llamarl.control.launch.devices import group_backend, rank_device, weight_sync_backend
 from llamarl.control.launch.memory import ProcessTreeMemory
+from llamarl.control.launch.progress import ProgressMark
 from llamarl.control.launch.threads import borrowed_cores
 from llamarl.control.outputs.timeline import Timeline, write_chrome_trace
 from llamarl.control.run import checkpoint as ckpt
 from llamarl.control.run.channels.stream import Pause
 from llamarl.control.run.channels.weights import FIRST_TRAINER_RANK, weight_sync_endpoint
-from llamarl.control.run.evaluation import EvalProgress, EvalResult
+from llamarl.control.run.evaluation import EVAL_SCORES, EvalProgress, EvalResult
 from llamarl.control.run.faults import FaultInjector
 from llamarl.control.run.schedule import PausePlan, Phase, SideName, Tick, lockstep_ticks
 from llamarl.control.tasks.prompts import load_tokenizer
@@ -108,12 +109,10 @@ class SideHooks:
     def save_final_model(self) -> None:
         """After the loop: the trainer writes OUTPUT_DIR/final_model (a collective over the trainer ranks)."""
 
-    def score_evaluation(
-        self, greedy_Q: torch.Tensor, sampled_Q: torch.Tensor, version: torch.Tensor
-    ) -> None:
-        """This rank's share of an evaluation, written into the zero tensors (summed over ranks after).
-        A long share calls `eval_heartbeat()` as it goes (e.g. between decoding steps): the other ranks
-        wait as long as it shows progress."""
+    def score_evaluation(self, scores_4Q: torch.Tensor, version: torch.Tensor, when: str) -> None:
+        """This rank's share of an evaluation, written into the zero tensors (summed over ranks after;
+        rows of `scores_4Q` as `EVAL_SCORES`). A long share calls `eval_heartbeat()` as it goes (e.g.
+        between decoding steps): the other ranks wait as long as it shows progress."""
 
     def record_evaluation(self, result: EvalResult, when: str) -> None:
         """What the first trainer rank does with an evaluation's result."""
@@ -146,7 +145,13 @@ class Side(SideHooks):
     rollout_group: dist.ProcessGroup | None = None  # stream mode: the first trainer rank, generators, reward
 
     def __init__(
-        self, config: RunConfig, train_examples: list[dict], eval_examples: list[dict], *, rank: int
+        self,
+        config: RunConfig,
+        train_examples: list[dict],
+        eval_examples: list[dict],
+        *,
+        rank: int,
+        progress: ProgressMark | None = None,
     ) -> None:
         self.config = config
         self.draw_report = True  # the first trainer rank's report.png (the launcher draws it instead)
@@ -159,7 +164,10 @@ class Side(SideHooks):
         self.generator_ranks = config.generator_ranks
         self.reward_ranks = config.reward_ranks  # after the generators; none by default
         self.output_dir = config.output_dir
-        self.timeline = Timeline()  # this rank's phases, gathered into OUTPUT_DIR/trace.json at the end
+        # This rank's phases, gathered into OUTPUT_DIR/trace.json at the end; each also marks the rank's
+        # progress, which names a rank that stalls (llamarl.control.launch.progress).
+        self.progress = progress
+        self.timeline = Timeline(observer=progress)
         self.faults = FaultInjector(rank, self.output_dir)
         self.tick = -1  # the tick being run (-1 before and after the training loop)
         self.resumed: ckpt.Resume | None = None  # the checkpoint this run continues from
@@ -377,28 +385,35 @@ class Side(SideHooks):
             self._eval_s_in_loop += span.end - span.start
 
     def evaluate(self, when: str) -> EvalResult | None:
-        """Accuracy on the held-out questions, split across generators; None when eval.size is 0.
+        """Held-out questions answered by the generators, each share scored where it was answered;
+        None when eval.size is 0.
 
-        Greedy always; with `eval.samples` K > 0 also the mean over K completions sampled at the
-        training temperature (what RL optimises directly). Scores are kept per question so that the
-        change from start to end gets a paired confidence interval.
+        Greedy always; with `eval.samples` K > 0 also K completions sampled at the training temperature
+        (what RL optimises directly). Rewards always, and whether each answer is right where the task
+        says (`Task.correct`). Scores are kept per question so that the change from start to end gets a
+        paired confidence interval.
         """
         if not self.eval_examples:
             return None
-        num_questions = len(self.eval_examples)
-        greedy_Q = torch.zeros(num_questions, dtype=torch.float64)
-        sampled_Q = torch.zeros(num_questions, dtype=torch.float64)
+        scores_4Q = torch.zeros(len(EVAL_SCORES), len(self.eval_examples), dtype=torch.float64)
         version = torch.zeros(1, dtype=torch.int64)  # the generators' policy_version (all hold the same)
         self._evaluations += 1
         self._eval_progress = EvalProgress(self.store, self._evaluations)
         with self.timeline.phase("eval", self.tick):
-            self.score_evaluation(greedy_Q, sampled_Q, version)
+            self.score_evaluation(scores_4Q, version, when)
             if self.rank in self.generator_ranks:
                 self._eval_progress.done()
             # Collectives wait at most launch.timeout_s; an evaluation may take longer, so every rank
             # first waits here for as long as the generators show progress.
             self._eval_progress.wait(len(self.generator_ranks), timeout_s=self.config.launch.timeout_s)
-            result = _sum_over_ranks(greedy_Q, sampled_Q, version, sampled=bool(self.config.eval.samples))
+            dist.all_reduce(scores_4Q)
+            dist.all_reduce(version, op=dist.ReduceOp.MAX)  # the other ranks give 0
+            result = EvalResult.from_scores(
+                scores_4Q.tolist(),
+                int(version),
+                sampled=bool(self.config.eval.samples),
+                judged=self.task.correct is not None,
+            )
             self.record_evaluation(result, when)
         return result
 
@@ -407,6 +422,8 @@ class Side(SideHooks):
         about once a second it reaches the store)."""
         assert self._eval_progress is not None, "no evaluation under way"
         self._eval_progress.beat()
+        if self.progress is not None:
+            self.progress.beat()
 
     # ----------------------------------------------------------------------------------------------
     # the end
@@ -431,21 +448,6 @@ def _gather_on_first_trainer_rank(mine: list, world_size: int) -> list[list] | N
     gathered: list[list] | None = [[] for _ in range(world_size)] if here else None
     dist.gather_object(mine, gathered, dst=FIRST_TRAINER_RANK)
     return gathered
-
-
-def _sum_over_ranks(
-    greedy_Q: torch.Tensor, sampled_Q: torch.Tensor, version: torch.Tensor, *, sampled: bool
-) -> EvalResult:
-    """An evaluation's result from every rank's share (a collective): scores summed per question, the
-    generators' policy version (all hold the same; the other ranks give 0)."""
-    for tensor in (greedy_Q, sampled_Q):
-        dist.all_reduce(tensor)
-    dist.all_reduce(version, op=dist.ReduceOp.MAX)
-    return EvalResult(
-        policy_version=int(version),
-        greedy_Q=greedy_Q.tolist(),
-        sampled_Q=sampled_Q.tolist() if sampled else None,
-    )
 
 
 def _get(config: RunConfig, path: str) -> Any:

@@ -20,10 +20,12 @@ import torch
 from llamarl.comm import WeightSender, WeightSyncEndpoint, WeightSyncGroup
 from llamarl.control.config import RunConfig
 from llamarl.control.launch.devices import generation_dtype, trainer_compute_dtype, weight_wire_dtype
+from llamarl.control.launch.progress import ProgressMark
 from llamarl.control.outputs.metrics import MetricsLogger
 from llamarl.control.outputs.report import write_report
 from llamarl.control.outputs.summary import build_summary, write_summary
 from llamarl.control.run import checkpoint as ckpt
+from llamarl.control.run import legacy_checkpoints as legacy
 from llamarl.control.run.channels.buffer import RolloutBuffer
 from llamarl.control.run.channels.rollouts import concat_rollouts, recv_rollouts, send_rollouts
 from llamarl.control.run.channels.stream import PauseServer, StreamControl
@@ -52,9 +54,15 @@ class TrainerSide(Side):
     logger: MetricsLogger  # first trainer rank
 
     def __init__(
-        self, config: RunConfig, train_examples: list[dict], eval_examples: list[dict], *, rank: int
+        self,
+        config: RunConfig,
+        train_examples: list[dict],
+        eval_examples: list[dict],
+        *,
+        rank: int,
+        progress: ProgressMark | None = None,
     ) -> None:
-        super().__init__(config, train_examples, eval_examples, rank=rank)
+        super().__init__(config, train_examples, eval_examples, rank=rank, progress=progress)
         self.step_records: list[dict[str, float]] = []  # first trainer rank: every step's metrics
         self.evaluations: list[EvalResult] = []  # first trainer rank: every evaluation, in order
         # Lock step: (this rank's part, the whole batch on the first rank) arrived, not yet trained on.
@@ -159,7 +167,7 @@ class TrainerSide(Side):
         if self.is_logger:
             saved = TrainerRunState.from_dict(resume.run_state)
             self.step_records = saved.step_records
-            self.evaluations = [EvalResult(**e) for e in saved.evaluations]
+            self.evaluations = [EvalResult(**legacy.evaluation(e)) for e in saved.evaluations]
             self.loop.last_sync_s = saved.last_sync_s
             self.loop.generator_stats.restore(saved.generator_stats)
             self.logger.write(f"resumed from {resume.found.path} (policy_version {resume.found.step})")
@@ -267,15 +275,8 @@ class TrainerSide(Side):
     def record_evaluation(self, result: EvalResult, when: str) -> None:
         if not self.is_logger:
             return
-        sampled = f", sampled {result.sampled_accuracy:.3f}" if result.has_samples else ""
-        self.logger.write(
-            f"eval ({when}, policy_version {result.policy_version}): greedy accuracy "
-            f"{result.accuracy:.3f}{sampled} on {len(result.greedy_Q)} questions"
-        )
-        record = {"eval/accuracy": result.accuracy, "eval/policy_version": float(result.policy_version)}
-        if result.has_samples:
-            record["eval/sampled_accuracy"] = result.sampled_accuracy
-        self.logger.log(self.trainer.policy_version, record, advance=False)
+        self.logger.write(f"eval ({when}, policy_version {result.policy_version}): {result.describe()}")
+        self.logger.log(self.trainer.policy_version, result.metrics(), advance=False)
         self.evaluations.append(result)
 
     def summarize(
