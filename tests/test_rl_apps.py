@@ -378,6 +378,26 @@ def test_a_failing_rank_ends_the_run_with_its_error_once(tiny_model_dir, gsm8k_d
         assert "Traceback" in result.stderr
 
 
+@pytest.mark.timeout(300)
+def test_a_rank_alive_without_progress_is_named_as_the_cause_in_one_line(tiny_model_dir, gsm8k_dir, tmp_path):
+    # The generator's main thread waits forever at the start of tick 1 (alive: its threads and heartbeats
+    # go on). The trainer gives up waiting for its rollouts after launch.timeout_s; the user is told
+    # which rank stalled and where, not the traceback of the rank that gave up.
+    out = tmp_path / "out"
+    result = run_app(
+        "gsm8k_rl", *common_args(tiny_model_dir, gsm8k_dir, out), "--no-wandb", "--launch.timeout-s", "12",
+        env={"LLAMARL_FAULT": "1:1:hang"},
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr[-4000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(
+        r"gsm8k_rl: rank 1 \(generator\) made no progress for \d+ s \(last: after \w+, tick \d\); rank 0 "
+        r"gave up waiting for it after launch\.timeout_s \(12 s\)",
+        last,
+    ), result.stderr[-4000:]
+    assert "Traceback" not in result.stderr
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -34,7 +34,8 @@ def test_a_timeline_marks_each_phase_entered_and_left_and_a_clean_end_leaves_no_
         time.sleep(0.01)
         mark.beat()
         assert read_progress(tmp_path)[1].time > before
-    assert read_progress(tmp_path)[1] == Progress(1, read_progress(tmp_path)[1].time, -1, "")
+    assert read_progress(tmp_path)[1] == Progress(1, read_progress(tmp_path)[1].time, 3, "after generate")
+    assert read_progress(tmp_path)[1].doing() == "after generate, tick 3"
     mark.close()
     assert read_progress(tmp_path) == {} and not list(tmp_path.iterdir())
 

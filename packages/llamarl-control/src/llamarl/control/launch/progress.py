@@ -25,7 +25,7 @@ from pathlib import Path
 
 from llamarl.control.config import RunConfig
 
-_MARK = struct.Struct("<dq32s")  # wall-clock time of the mark, tick, the phase ("" between phases)
+_MARK = struct.Struct("<dq32s")  # wall-clock time of the mark, tick, the phase (or "after PHASE")
 WAITING_PHASES = frozenset({"rollouts", "weight_sync"})
 """Phases in which a rank waits on another rank (a receive, a sync); in an evaluation the ranks that do
 not generate wait too (`is_waiting`)."""
@@ -44,6 +44,7 @@ class ProgressMark:
         self.path = None if path is None else Path(path)
         self._map: mmap.mmap | None = None
         self._stack: list[tuple[str, int]] = []
+        self._current = ("", -1)  # what the mark says: the phase (or "after PHASE") and its tick
         if self.path is not None:
             with contextlib.suppress(OSError):
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -59,16 +60,15 @@ class ProgressMark:
         self._write(phase, tick)
 
     def leave(self) -> None:
-        """Leaves the innermost phase: back in the enclosing one (or between phases), progress made."""
-        if self._stack:
-            self._stack.pop()
-        phase, tick = self._stack[-1] if self._stack else ("", -1)
+        """Leaves the innermost phase: back in the enclosing one, or between phases ("after PHASE"),
+        progress made."""
+        left = self._stack.pop() if self._stack else ("", -1)
+        phase, tick = self._stack[-1] if self._stack else (f"after {left[0]}", left[1])
         self._write(phase, tick)
 
     def beat(self) -> None:
         """Progress inside the current phase (a decoding step of a long evaluation)."""
-        phase, tick = self._stack[-1] if self._stack else ("", -1)
-        self._write(phase, tick)
+        self._write(*self._current)
 
     def close(self) -> None:
         """A rank that ends cleanly leaves no mark behind."""
@@ -80,6 +80,7 @@ class ProgressMark:
                 self.path.unlink()
 
     def _write(self, phase: str, tick: int) -> None:
+        self._current = (phase, tick)
         if self._map is not None:
             _MARK.pack_into(self._map, 0, time.time(), tick, phase.encode()[:32])
 
@@ -91,7 +92,7 @@ class Progress:
     rank: int
     time: float
     tick: int
-    phase: str  # "" between phases
+    phase: str  # the phase it was in, or "after PHASE" between phases ("" before the first)
 
     def is_waiting(self, config: RunConfig) -> bool:
         """Whether the rank was waiting on another rank (not at work) at its mark."""
@@ -100,7 +101,7 @@ class Progress:
         return self.phase == "eval" and config.role_of(self.rank) != "generator"
 
     def doing(self) -> str:
-        what = self.phase or "between phases"
+        what = self.phase or "starting"
         return what if self.tick < 0 else f"{what}, tick {self.tick}"
 
 

@@ -7,6 +7,8 @@
 - "RANK:TICK:node" kills its whole machine there: SIGKILL to its process group, which is the launcher
   and every rank it started when the launcher leads a group of its own (as a shell job or a test's
   `start_new_session` child does);
+- "RANK:TICK:hang" makes its main thread wait forever there: the rank stays alive (its threads, their
+  heartbeats, its signal handlers) and makes no progress, as a deadlocked rank does;
 - "RANK:TICK:oom" makes it allocate memory until the kernel's out-of-memory killer kills it (for tests
   that run the app under a memory limit; without one it gives up at 8 GiB and raises);
 - a last ":checkpoint" strikes inside that tick's checkpoint write, after the rank wrote its part and
@@ -47,6 +49,7 @@ class Fault:
     phase: Phase
     node: bool = False  # SIGKILL to the rank's whole process group (its machine's launcher and ranks)
     oom: bool = False  # allocate until the out-of-memory killer strikes
+    hang: bool = False  # the main thread waits forever (alive, no progress)
 
     @classmethod
     def parse(cls, spec: str) -> Fault:
@@ -56,12 +59,19 @@ class Fault:
             rank, tick = int(parts[0]), int(parts[1])
         except (IndexError, ValueError):
             raise ValueError(
-                f"{FAULT_ENV}={spec!r}: expected RANK:TICK[:kill|:node|:oom][:checkpoint] or RANK:N:engine"
+                f"{FAULT_ENV}={spec!r}: expected RANK:TICK[:kill|:node|:oom|:hang][:checkpoint] or "
+                "RANK:N:engine"
             ) from None
         flags = set(parts[2:])
         phase: Phase = "checkpoint" if "checkpoint" in flags else "request" if "engine" in flags else "tick"
         return cls(
-            rank, tick, "kill" in flags or "node" in flags, phase, node="node" in flags, oom="oom" in flags
+            rank,
+            tick,
+            "kill" in flags or "node" in flags,
+            phase,
+            node="node" in flags,
+            oom="oom" in flags,
+            hang="hang" in flags,
         )
 
 
@@ -101,6 +111,9 @@ class FaultInjector:
             os.kill(os.getpid(), signal.SIGKILL)
         if fault.oom:
             _allocate_until_killed()
+        if fault.hang:
+            while True:  # a signal (the launcher stopping the run) still ends it, as it would a deadlock
+                time.sleep(3600)
         raise RuntimeError(f"injected failure on rank {self.rank} at tick {tick}, {phase} ({FAULT_ENV})")
 
 
