@@ -452,3 +452,15 @@ def test_a_run_state_from_before_the_trained_groups_log_reads_with_an_empty_one(
     saved = TrainerRunState.from_dict(run_state)
     assert saved.trained_bytes == 0 and saved.metrics_bytes == 12
     assert TrainerRunState.from_dict({**run_state, "trained_bytes": 7}).trained_bytes == 7
+
+
+def test_a_steps_reward_failures_count_the_reward_models_as_well_as_the_reward_functions():
+    from llamarl.control.run.channels.rollouts import GENERATOR_TOTALS
+
+    stats = GeneratorStats()
+    totals = dict.fromkeys(GENERATOR_TOTALS, 0.0) | {"alive_s_total": 1.0}
+    stats.update(1, totals)
+    stats.step()
+    stats.update(1, totals | {"reward_failures_total": 2.0, "reward_model_failures_total": 3.0})
+    stats.update(2, totals | {"reward_model_failures_total": 1.0})
+    assert stats.step()["reward_failures"] == 6.0

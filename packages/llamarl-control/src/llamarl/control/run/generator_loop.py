@@ -210,6 +210,7 @@ class GeneratorLoop:
             return 0.0
         assert self.reward_model_config is not None
         batch = sampled.batch
+        failures_before = self.reward_model.num_failures
         with self.timeline.phase("reward_model", self.tick):
             _, model_s = add_model_rewards(
                 batch,
@@ -221,6 +222,7 @@ class GeneratorLoop:
             )
         self.totals["reward_model_s_total"] += model_s
         self.totals["reward_model_samples_total"] += batch.num_sequences
+        self.totals["reward_model_failures_total"] += self.reward_model.num_failures - failures_before
         return model_s
 
     def _log_samples(self, batch: RolloutBatch, positions: list[int], texts: list[str]) -> None:

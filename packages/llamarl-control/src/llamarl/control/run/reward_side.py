@@ -45,6 +45,9 @@ from llamarl.control.tasks.prompts import PromptStream, TaskPrompts
 from llamarl.exec.reward.model import build_model_rewarder
 from llamarl.exec.types import RolloutBatch
 
+REWARD_MODEL_TOTALS = ("reward_model_s_total", "reward_model_samples_total", "reward_model_failures_total")
+"""The cumulative counters a reward rank adds to each of its generators' batches (`GENERATOR_TOTALS`)."""
+
 
 class RewardSide(Side):
     """A reward rank."""
@@ -70,9 +73,7 @@ class RewardSide(Side):
         )  # fmt: skip
         self._scored: dict[int, PendingBatch] = {}  # async mode: by generator, scored, not yet forwarded
         # Cumulative per generator: they travel with its batches (GENERATOR_TOTALS) to the trainer.
-        self.totals = {
-            g: {"reward_model_s_total": 0.0, "reward_model_samples_total": 0.0} for g in self.my_generators
-        }
+        self.totals = {g: dict.fromkeys(REWARD_MODEL_TOTALS, 0.0) for g in self.my_generators}
         self._lock = threading.Lock()  # stream mode: one model, several forwarding threads
 
     @property
@@ -96,7 +97,8 @@ class RewardSide(Side):
     def restore(self, resume: ckpt.Resume) -> None:
         mine = RewardRankState.from_dict(resume.rank_state)
         self._scored = mine.scored
-        self.totals.update(mine.totals)
+        for g, saved in mine.totals.items():  # (a counter added since the checkpoint starts at 0)
+            self.totals[g] = {**dict.fromkeys(REWARD_MODEL_TOTALS, 0.0), **saved}
 
     def checkpoint_state(self) -> RewardRankState:
         self.scores_log.flush()
@@ -127,6 +129,7 @@ class RewardSide(Side):
     ) -> dict[str, float]:
         """Adds the model's scores to `batch` (in place); returns the metrics to forward with it."""
         with self._lock, self.timeline.phase("reward_model", tick):
+            failures_before = self.scorer.num_failures
             model_B, seconds = add_model_rewards(
                 batch, scorer=self.scorer, config=self.config.reward_model, source=self.source,
                 index_of=self.order.index,
@@ -134,6 +137,7 @@ class RewardSide(Side):
         totals = self.totals[generator]
         totals["reward_model_s_total"] += seconds
         totals["reward_model_samples_total"] += batch.num_sequences
+        totals["reward_model_failures_total"] += self.scorer.num_failures - failures_before
         for j in range(batch.num_sequences):
             record = {
                 "tick": tick,

@@ -70,7 +70,10 @@ class GeneratorStats:
             "filtered": sum(d["filtered_total"] for d in deltas),
             "generator_idle_frac": sum(idle) / len(idle) if idle else float("nan"),
             "engine_restarts": sum(d["engine_restarts_total"] for d in deltas),
-            "reward_failures": sum(d["reward_failures_total"] for d in deltas),
+            # a reward function's failures and the reward model's, each costing its sample
+            "reward_failures": sum(
+                d["reward_failures_total"] + d["reward_model_failures_total"] for d in deltas
+            ),
             "episodes_dropped": sum(d["episodes_dropped_total"] for d in deltas),
         }
 

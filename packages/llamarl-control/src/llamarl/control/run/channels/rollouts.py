@@ -30,6 +30,7 @@ GENERATOR_TOTALS = (
     "episodes_dropped_total",  # multi-turn episodes dropped because their environment raised
     "reward_model_s_total",  # seconds the reward model spent scoring this generator's samples
     "reward_model_samples_total",  # samples of this generator the reward model scored
+    "reward_model_failures_total",  # of those, scored 0: the model's score was not a finite number
 )
 # Generator-side metrics that travel with each batch, in this order (a float64 tensor of length M).
 GENERATOR_METRICS = (
