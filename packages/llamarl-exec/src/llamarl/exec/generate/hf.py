@@ -6,7 +6,9 @@ Shape legend:
 
 How each token is drawn and its behaviour log-prob recorded (plain temperature sampling, nothing of the
 model's generation defaults): `llamarl.exec.generate.hf_sampling`. The KV cache it decodes into (each
-prompt's computed once for all its samples, each step written in place): `kv_cache`.
+prompt's computed once for all its samples, each step written in place): `kv_cache`. Its weights and
+the syncs that replace them, in place or (in flight) pulled into staging while decoding goes on and
+swapped in between two steps: `hf_weights`.
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from llamarl.comm import WeightReceiver, WeightSyncEndpoint, WeightSyncGroup
+from llamarl.comm import WeightSyncEndpoint, WeightSyncGroup
 from llamarl.exec.config import LoraConfig, SamplingConfig
 from llamarl.exec.generate.hf_sampling import BehaviorLogprobRecorder, rollout_batch
-from llamarl.exec.generate.packed_linear import pack_linear_layers, weights_changed
+from llamarl.exec.generate.hf_weights import HFWeights
+from llamarl.exec.generate.packed_linear import pack_linear_layers
 from llamarl.exec.lora import adapter_tensors, add_lora
 from llamarl.exec.models import load_model_and_tokenizer, resolve_dtype
 from llamarl.exec.multiturn.episodes import BatchTurnSession
@@ -36,9 +39,10 @@ class HFGenerator:
     """Samples completions with a transformers model; implements `llamarl.exec.types.Generator`.
 
     Attributes:
-        model: the policy module; weight sync writes into its parameters in place.
+        model: the policy module; a weight sync writes into its parameters (in place, or in flight into
+            a staging copy whose memory they then take: `hf_weights`).
         policy_version: (read-only) the version of the weights in `model`, stamped on every generated
-            token: 0 (the checkpoint) from setup, then set by `receive_weights`.
+            token: 0 (the checkpoint) from setup, then set by `receive_weights` (in flight: at the swap).
     """
 
     # `generate` takes `between_steps`: stream mode loads new weights between decoding steps.
@@ -75,7 +79,9 @@ class HFGenerator:
         self._policy_version: int | None = 0
         self._weights_written = False  # a sync wrote into `model`: it is no longer the checkpoint
         self.model = None
-        self._weights: WeightReceiver | None = None
+        self._weights: HFWeights | None = None
+        self._decoding = False  # a generate is between two of its steps: a sync taken now is in flight
+        self._pull_timeout_s = 0.0  # the wait of the sync being pulled in flight
 
     @property
     def policy_version(self) -> int | None:
@@ -117,7 +123,7 @@ class HFGenerator:
         """Leaves the weight-sync group and drops the model (and its device memory)."""
         if self._weights is not None:
             self._weights.close()
-            self._weights.group.close()
+            self._weights.receiver.group.close()
             self._weights = None
         self.model = None
 
@@ -134,24 +140,42 @@ class HFGenerator:
         group = WeightSyncGroup(endpoint, device=self.device if endpoint.backend == "nccl" else None)
         try:
             destination = adapter_tensors(self.model) if self.lora is not None else self.model
-            self._weights = WeightReceiver(group, destination)
+            self._weights = HFWeights(group, self.model, destination)
         except BaseException:
             group.close()
             raise
-        return len(self._weights.layout.tensors)
+        return self._weights.num_tensors
 
     def receive_weights(self, timeout_s: float) -> int:
         """Waits at most `timeout_s` for the trainer to start a sync, receives it into `model` and adopts
-        its policy_version (None while receiving: a failed sync leaves the weights partly replaced)."""
-        if self._weights is None:
+        its policy_version (None while receiving: a failed sync leaves the weights partly replaced).
+
+        Called from a generate's `between_steps` (in flight), it returns at once with the version still
+        served: the sync is pulled into staging on a thread while decoding goes on, and swapped in
+        between two later steps once whole (at the latest when the generate ends), which is when
+        `policy_version` changes and later tokens are stamped with it. A sync that fails in flight
+        fails the generate, and leaves the weights served (and their version) as they were."""
+        weights = self._weights
+        if weights is None:
             raise RuntimeError("HFGenerator.receive_weights called before connect_weight_sync()")
+        if weights.pulling:  # the sync asked for before this one goes in first
+            self._swap_in()
+        if self._decoding:
+            weights.begin(timeout_s)
+            self._pull_timeout_s = timeout_s
+            return synced_version(self._policy_version, "the hf generator")
         self._policy_version = None
         self._weights_written = True
-        try:
-            self._policy_version = self._weights.receive(timeout_s)
-        finally:  # (written through `.data`, which the packed layers cannot see; also a partial write)
-            weights_changed(self.model)
+        self._policy_version = weights.receive(timeout_s)
         return self._policy_version
+
+    def _swap_in(self) -> None:
+        """Swaps the sync pulled in flight in (waiting for it if it is not whole yet) and adopts its
+        version; raises its error if it failed (the weights served stay as they were)."""
+        assert self._weights is not None
+        version = self._weights.swap(self._pull_timeout_s)
+        self._policy_version = version
+        self._weights_written = True
 
     def mark_weights_lost(self) -> None:
         """`policy_version` is None (no generate) until a `receive_weights` succeeds."""
@@ -218,8 +242,14 @@ class HFGenerator:
 
         def on_step() -> None:
             step_versions.append(synced_version(self._policy_version, "the hf generator"))
+            if self._weights is not None and self._weights.pulling and self._weights.ready():
+                self._swap_in()  # the next step's forward pass runs with the sync pulled meanwhile
             if between_steps is not None:
-                between_steps()
+                self._decoding = True
+                try:
+                    between_steps()
+                finally:
+                    self._decoding = False
 
         # The recorder draws each sampled token itself from softmax(logits / T), the distribution the
         # behaviour log-probs describe, and hands generate scores whose argmax is that token: generate
@@ -231,14 +261,21 @@ class HFGenerator:
                 prompt_ids_BP, prompt_mask_BP, recorder, samples_per_prompt, max_new_tokens
             )
         except PauseGeneration:
+            self._settle_pull()
             raise self._paused(
                 recorder, prompt_ids_BP, prompt_mask_BP, step_versions, max_new_tokens, batch
             ) from None
+        self._settle_pull()
         completion_ids_BC = sequences[:, prompt_ids_BP.shape[1] :].cpu()
         logprobs_BC = recorder.finish(sequences[:, -1]).cpu()
         return self._batch(
             prompt_ids_BP, prompt_mask_BP, completion_ids_BC, logprobs_BC, step_versions, **batch
         )
+
+    def _settle_pull(self) -> None:
+        """A sync still pulled when the generate ends goes in now (the trainer is sending it)."""
+        if self._weights is not None and self._weights.pulling:
+            self._swap_in()
 
     def _decode(
         self,
