@@ -218,6 +218,31 @@ class StandInLoader:
             raise RuntimeError("loader failed")
         self.loads.append({name: t.clone() for name, t in weights})
 
+    def mismatches(self) -> list[str]:
+        """The tensors whose first two loads are not the trainer's `checkpoint(1)`, then twice it (in
+        the child: tensors returned to the parent would travel as shared memory of an exited process)."""
+        first, second = self.loads[:2]
+        return [
+            name
+            for name, t in checkpoint(1).items()
+            if not (first[name].dtype == second[name].dtype == t.dtype)
+            or not torch.equal(first[name], t)
+            or not torch.equal(second[name], t * 2)
+        ]
+
+
+def _stand_in_worker(rdv, model_dir: str, *, colocated: bool = False) -> tuple[StandInLoader, WorkerWeights]:
+    """The engine worker (rank 1) of a served `model_dir`, loading into a `StandInLoader`."""
+    loader = StandInLoader()
+    worker = WorkerWeights(
+        _endpoint(rdv, 1),
+        specs=checkpoint_tensor_specs(model_dir),
+        device=torch.device("cpu"),
+        load_fn=loader,
+        colocated=colocated,
+    )
+    return loader, worker
+
 
 def _sync_with_stand_in(rank: int, world_size: int, rdv, model_dir: str) -> dict:
     from llamarl.comm import WeightSender, WeightSyncGroup
@@ -236,13 +261,7 @@ def _sync_with_stand_in(rank: int, world_size: int, rdv, model_dir: str) -> dict
         group.close()
         return None
 
-    loader = StandInLoader()
-    worker = WorkerWeights(
-        _endpoint(rdv, 1),
-        specs=checkpoint_tensor_specs(model_dir),
-        device=torch.device("cpu"),
-        load_fn=loader,
-    )
+    loader, worker = _stand_in_worker(rdv, model_dir)
     out: dict = {"before": worker.policy_version, "num_tensors": worker.num_tensors}
     out["staging_bytes"] = worker.staging_bytes
     with pytest.raises(RuntimeError, match="start_weight_update first"):
@@ -271,18 +290,9 @@ def _sync_with_stand_in(rank: int, world_size: int, rdv, model_dir: str) -> dict
     out["loads_total"] = len(loader.loads)
     worker.group.put("test/engine_done", True)
     worker.close()
-    # Compared here: tensors returned to the parent would travel as shared memory of an exited process.
-    sent = checkpoint(1)
-    first, second = loader.loads
-    out["names_loaded"] = sorted(second)
-    out["names_sent"] = sorted(sent)
-    out["mismatches"] = [
-        name
-        for name, t in sent.items()
-        if not (first[name].dtype == second[name].dtype == t.dtype)
-        or not torch.equal(first[name], t)
-        or not torch.equal(second[name], t * 2)
-    ]
+    out["names_loaded"] = sorted(loader.loads[1])
+    out["names_sent"] = sorted(checkpoint(1))
+    out["mismatches"] = loader.mismatches()
     return out
 
 
@@ -321,14 +331,7 @@ def _colocated_with_stand_in(rank: int, world_size: int, rdv, model_dir: str) ->
         group.get("test/engine_done", peer=1)
         group.close()
         return None
-    loader = StandInLoader()
-    worker = WorkerWeights(
-        _endpoint(rdv, 1),
-        specs=checkpoint_tensor_specs(model_dir),
-        device=torch.device("cpu"),
-        load_fn=loader,
-        colocated=True,
-    )
+    loader, worker = _stand_in_worker(rdv, model_dir, colocated=True)
     out: dict = {"num_tensors": worker.num_tensors, "staging_bytes": worker.staging_bytes}
     out["received"] = []
     for _ in range(2):
@@ -338,15 +341,7 @@ def _colocated_with_stand_in(rank: int, world_size: int, rdv, model_dir: str) ->
     out["after"] = worker.policy_version
     worker.group.put("test/engine_done", True)
     worker.close()
-    sent = checkpoint(1)
-    first, second = loader.loads
-    out["mismatches"] = [
-        name
-        for name, t in sent.items()
-        if not (first[name].dtype == second[name].dtype == t.dtype)
-        or not torch.equal(first[name], t)
-        or not torch.equal(second[name], t * 2)
-    ]
+    out["mismatches"] = loader.mismatches()
     return out
 
 

@@ -110,9 +110,9 @@ class HFWeights:
         self.last_pull_s = self._staged.pull_s
         begun = time.perf_counter()
         prepared, self._prepared = self._prepared, {}
-        self._point_live(self._x, prepared)
+        retired = self._point_live(self._x, prepared)
         self.last_swap_s = time.perf_counter() - begun
-        self._start_copy()
+        self._start_copy(retired)
         return version
 
     def close(self) -> None:
@@ -120,31 +120,43 @@ class HFWeights:
         self._finish_copy()
         self._staged.close()
 
-    def _point_live(self, target: dict[str, torch.Tensor], packed: dict[int, torch.Tensor] | None) -> None:
+    def _point_live(
+        self, target: dict[str, torch.Tensor], packed: dict[int, torch.Tensor] | None
+    ) -> list[torch.Tensor]:
         """Points every synced parameter at `target`'s memory; the packed layers take `packed`'s copies
-        (None: the values did not change, their copies stay; {}: repacked at their next call)."""
+        (None: the values did not change, their copies stay; {}: repacked at their next call). Returns
+        the packed copies replaced, for the caller to free off the decoding thread (freeing a model's
+        worth of memory takes tens of milliseconds here)."""
         for name, param in self.live.items():
             param.data = target[name]
+        retired = []
         for layer, _ in self._packed_layers:
             if packed is None:
                 layer.adopt(None)
-            elif id(layer) in packed:
+                continue
+            if layer._packed is not None:
+                retired.append(layer._packed)
+            if id(layer) in packed:
                 layer.adopt(packed[id(layer)])
             else:
                 layer._packed, layer._packed_of = None, None
         self._on_x = target is self._x
+        return retired
 
     def _pack_staged(self) -> None:
         """(The pull's thread, once the sync in `x` is whole.) Packs its linear weights for oneDNN."""
         self._prepared = {id(layer): pack_weight(self._x[name]) for layer, name in self._packed_layers}
 
-    def _start_copy(self) -> None:
-        """Copies `x` into `y` on a thread (decoding reads `x` meanwhile), once there is a `y`."""
+    def _start_copy(self, retired: list[torch.Tensor] | None = None) -> None:
+        """Copies `x` into `y` on a thread (decoding reads `x` meanwhile), once there is a `y`, and
+        frees the `retired` tensors there."""
         y = self._y
         if y is None:
             return
 
         def copy() -> None:
+            if retired:
+                retired.clear()
             with torch.no_grad():
                 for name, t in self._x.items():
                     y[name].copy_(t)
