@@ -285,7 +285,7 @@ def _in_flight_ranks(rank: int, world_size: int, rdv, model_dir: str, dtype_name
     gen = HFGenerator(model_dir, SamplingConfig(temperature=0.7), seed=0, eos_token_ids=[], dtype=dtype_name)
     gen.setup()
     gen.connect_weight_sync(endpoint)
-    group = gen._weights.receiver.group
+    group = gen._weights.group
     out: dict = {"packed_layers": len(gen._weights._packed_layers)}
 
     def generate_with_sync(version: int) -> dict:

@@ -81,7 +81,6 @@ class HFGenerator:
         self.model = None
         self._weights: HFWeights | None = None
         self._decoding = False  # a generate is between two of its steps: a sync taken now is in flight
-        self._pull_timeout_s = 0.0  # the wait of the sync being pulled in flight
 
     @property
     def policy_version(self) -> int | None:
@@ -123,7 +122,7 @@ class HFGenerator:
         """Leaves the weight-sync group and drops the model (and its device memory)."""
         if self._weights is not None:
             self._weights.close()
-            self._weights.receiver.group.close()
+            self._weights.group.close()
             self._weights = None
         self.model = None
 
@@ -158,23 +157,23 @@ class HFGenerator:
         weights = self._weights
         if weights is None:
             raise RuntimeError("HFGenerator.receive_weights called before connect_weight_sync()")
-        if weights.pulling:  # the sync asked for before this one goes in first
-            self._swap_in()
+        self._swap_in()  # a sync asked for before this one goes in first
         if self._decoding:
             weights.begin(timeout_s)
-            self._pull_timeout_s = timeout_s
             return synced_version(self._policy_version, "the hf generator")
         self._policy_version = None
         self._weights_written = True
         self._policy_version = weights.receive(timeout_s)
         return self._policy_version
 
-    def _swap_in(self) -> None:
-        """Swaps the sync pulled in flight in (waiting for it if it is not whole yet) and adopts its
-        version; raises its error if it failed (the weights served stay as they were)."""
-        assert self._weights is not None
-        version = self._weights.swap(self._pull_timeout_s)
-        self._policy_version = version
+    def _swap_in(self, *, if_ready: bool = False) -> None:
+        """Swaps a sync pulled in flight in and adopts its version: now (waiting for it), or only once it
+        is whole (`if_ready`); nothing when none is pulled. Raises its error if it failed (the weights
+        served stay as they were)."""
+        weights = self._weights
+        if weights is None or not weights.pulling or (if_ready and not weights.ready()):
+            return
+        self._policy_version = weights.swap()
         self._weights_written = True
 
     def mark_weights_lost(self) -> None:
@@ -222,11 +221,11 @@ class HFGenerator:
         `prompts`: token ids (chat template applied), no padding; a prompt's completions are contiguous
         in the batch. `greedy`: argmax decoding for evaluation; the log-probs are then those of the
         argmax tokens under softmax(logits / temperature). `between_steps` is called between decoding
-        steps (after step t's logits, before step t + 1's forward pass): it may load new weights into
-        `model` in place and raise `policy_version` (an in-flight update: later tokens come from the
-        new weights, the KV cache of earlier ones is kept), raise to abandon the call, or raise
-        `PauseGeneration` to keep what was sampled: `GenerationPaused` then holds it (every row has the
-        same number of steps; rows that met EOS are finished).
+        steps (after step t's logits, before step t + 1's forward pass): it may take a sync in flight
+        (`receive_weights`: pulled while decoding goes on, swapped in at a later step boundary; later
+        tokens come from the new weights, the KV cache of earlier ones is kept), raise to abandon the
+        call, or raise `PauseGeneration` to keep what was sampled: `GenerationPaused` then holds it
+        (every row has the same number of steps; rows that met EOS are finished).
 
         Returns a RolloutBatch with rewards zeros, policy_version_B the version at the first token and
         token_version_BC the version that sampled each token.
@@ -239,21 +238,10 @@ class HFGenerator:
         rows = [p for p in prompts for _ in range(samples_per_prompt)]
         prompt_ids_BP, prompt_mask_BP = left_pad(rows, self.pad_token_id)
         step_versions: list[int] = []  # the policy_version whose logits drew each step's token
-
-        def on_step() -> None:
-            step_versions.append(synced_version(self._policy_version, "the hf generator"))
-            if self._weights is not None and self._weights.pulling and self._weights.ready():
-                self._swap_in()  # the next step's forward pass runs with the sync pulled meanwhile
-            if between_steps is not None:
-                self._decoding = True
-                try:
-                    between_steps()
-                finally:
-                    self._decoding = False
-
         # The recorder draws each sampled token itself from softmax(logits / T), the distribution the
         # behaviour log-probs describe, and hands generate scores whose argmax is that token: generate
         # decodes greedily either way, so none of its samplers touch the tokens.
+        on_step = self._on_step(step_versions, between_steps)
         recorder = BehaviorLogprobRecorder(self.sampling.temperature, on_step, draws=not greedy)
         batch = dict(samples_per_prompt=samples_per_prompt, version_at_start=version_at_start)
         try:
@@ -261,21 +249,34 @@ class HFGenerator:
                 prompt_ids_BP, prompt_mask_BP, recorder, samples_per_prompt, max_new_tokens
             )
         except PauseGeneration:
-            self._settle_pull()
+            self._swap_in()  # a sync still pulled goes in now (the trainer is sending it)
             raise self._paused(
                 recorder, prompt_ids_BP, prompt_mask_BP, step_versions, max_new_tokens, batch
             ) from None
-        self._settle_pull()
+        self._swap_in()
         completion_ids_BC = sequences[:, prompt_ids_BP.shape[1] :].cpu()
         logprobs_BC = recorder.finish(sequences[:, -1]).cpu()
         return self._batch(
             prompt_ids_BP, prompt_mask_BP, completion_ids_BC, logprobs_BC, step_versions, **batch
         )
 
-    def _settle_pull(self) -> None:
-        """A sync still pulled when the generate ends goes in now (the trainer is sending it)."""
-        if self._weights is not None and self._weights.pulling:
-            self._swap_in()
+    def _on_step(
+        self, step_versions: list[int], between_steps: Callable[[], None] | None
+    ) -> Callable[[], None]:
+        """What runs between two decoding steps: the version that drew this step's token is recorded, a
+        sync pulled meanwhile goes in, then `between_steps` runs (a sync it takes is in flight)."""
+
+        def on_step() -> None:
+            step_versions.append(synced_version(self._policy_version, "the hf generator"))
+            self._swap_in(if_ready=True)  # the next forward pass runs with the sync pulled meanwhile
+            if between_steps is not None:
+                self._decoding = True
+                try:
+                    between_steps()
+                finally:
+                    self._decoding = False
+
+        return on_step
 
     def _decode(
         self,
@@ -302,26 +303,9 @@ class HFGenerator:
                 past_key_values=shared_prompt_cache(
                     self.model, prompt_ids_BP, prompt_mask_BP, samples_per_prompt, max_new_tokens
                 ),
-                generation_config=self._generation_config(max_new_tokens),
+                generation_config=_generation_config(max_new_tokens, self.eos_token_ids, self.pad_token_id),
                 logits_processor=LogitsProcessorList([recorder]),
             )
-
-    def _generation_config(self, max_new_tokens: int) -> GenerationConfig:
-        """Greedy over the recorder's scores, with every other processor of `generate` neutral."""
-        from transformers import GenerationConfig
-
-        return GenerationConfig(
-            do_sample=False,
-            repetition_penalty=1.0,
-            no_repeat_ngram_size=0,
-            max_new_tokens=max_new_tokens,
-            min_length=0,
-            num_beams=1,
-            eos_token_id=self.eos_token_ids,
-            pad_token_id=self.pad_token_id,
-            use_cache=True,
-            return_dict_in_generate=False,
-        )
 
     def _paused(
         self,
@@ -351,6 +335,24 @@ class HFGenerator:
         return rollout_batch(
             *args, eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id, **kwargs
         )
+
+
+def _generation_config(max_new_tokens: int, eos_token_ids: list[int], pad_token_id: int) -> GenerationConfig:
+    """Greedy over the recorder's scores, with every other processor of `generate` neutral."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig(
+        do_sample=False,
+        repetition_penalty=1.0,
+        no_repeat_ngram_size=0,
+        max_new_tokens=max_new_tokens,
+        min_length=0,
+        num_beams=1,
+        eos_token_id=eos_token_ids,
+        pad_token_id=pad_token_id,
+        use_cache=True,
+        return_dict_in_generate=False,
+    )
 
 
 def _special_token_ids(

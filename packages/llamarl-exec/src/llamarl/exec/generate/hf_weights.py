@@ -49,6 +49,7 @@ class HFWeights:
         destination: torch.nn.Module | Mapping[str, torch.Tensor],
     ) -> None:
         self.model = model
+        self.group = group
         self.live = named_tensors_of(destination)  # the parameters (and buffers) the model computes with
         self.receiver = WeightReceiver(group, destination)  # writes into the memory they hold now: x
         self._x = {name: t.data for name, t in self.live.items()}
@@ -63,6 +64,7 @@ class HFWeights:
             if isinstance(m, PackedLinear) and id(m.weight) in ids
         ]
         self._prepared: dict[int, torch.Tensor] = {}  # id(layer) -> packed copy of its weight in x
+        self._pull_timeout_s = 0.0  # how long the pull begun waits for the trainer's announcement
         self.last_pull_s: float | None = None
         self.last_swap_s: float | None = None
 
@@ -102,11 +104,13 @@ class HFWeights:
                 self._y = {name: t.clone() for name, t in self._x.items()}
             self._point_live(self._y, None)
         self._staged.start(timeout_s)
+        self._pull_timeout_s = timeout_s
 
-    def swap(self, timeout_s: float) -> int:
-        """At a step boundary: waits at most `timeout_s` for the sync begun (none when `ready()`), then
-        points the model at it. On failure the model keeps the weights it had (on `y`), unharmed."""
-        version = self._staged.wait(timeout_s)
+    def swap(self) -> int:
+        """At a step boundary: waits for the sync begun (not at all when `ready()`; else as long as its
+        pull may take to fail on its own deadlines), then points the model at it. On failure the model
+        keeps the weights it had (on `y`), unharmed."""
+        version = self._staged.wait(self._pull_timeout_s + self.group.timeout_s)
         self.last_pull_s = self._staged.pull_s
         begun = time.perf_counter()
         prepared, self._prepared = self._prepared, {}
