@@ -199,3 +199,46 @@ def test_the_http_client_posts_json_and_a_server_error_is_one_line():
     ]
     with pytest.raises(VLLMServerError, match="no answer"):
         HTTPWeightSyncClient(f"http://127.0.0.1:{free_port()}", timeout_s=5).start_weight_update()
+
+
+def _dying_worker_ranks(rank: int, world_size: int, rdv) -> dict | None:
+    """Rank 0 trains alone; rank 1, the worker, joins and dies before pulling the first sync."""
+    folder = Path(rdv.tmpdir)
+    if rank == 1:
+        wait_until(lambda: (folder / "init").exists(), timeout_s=60, what="the trainer's init")
+        info = json.loads((folder / "init").read_text())
+        specs = {n: TensorSpec(shape=tuple(p.shape), dtype=p.dtype) for n, p in _model().named_parameters()}
+        WorkerWeights(
+            WeightSyncEndpoint.from_json(info["endpoint"]),
+            specs=specs,
+            device=torch.device("cpu"),
+            load_fn=print,
+        )
+        (folder / "joined").touch()
+        wait_until(lambda: (folder / "start.1").exists(), timeout_s=60, what="start_weight_update")
+        os._exit(0)  # an engine that crashes: no goodbye
+    endpoint = WeightSyncEndpoint(
+        host=rdv.host, port=rdv.port, rank=0, world_size=2, timeout_s=10, dead_after_s=3
+    )
+    client = FileClient(rdv.tmpdir)
+    client.update_weights = lambda info: client.calls.append(
+        f"update {sorted(info)}"
+    )  # (no worker to answer)
+    engine = LlamarlTrainerWeightTransferEngine.trainer_init(
+        LlamarlTrainerInitInfo(endpoint=endpoint), client=client, source=_model()
+    )
+    try:
+        engine.send_weights()
+        error = None
+    except Exception as exc:
+        error = type(exc).__name__
+    engine.sender.group.close()
+    return {"error": error, "calls": client.calls}
+
+
+def test_a_failed_send_still_ends_the_update_the_engine_started():
+    """vLLM refuses a start while an update is active: after a send that failed (the worker died), rank 0
+    still calls update_weights, which ends the started update on the engine's side."""
+    trainer, _ = run_distributed(_dying_worker_ranks, 2, timeout_s=120, may_die=(1,))
+    assert trainer["error"] == "WeightSyncError"
+    assert trainer["calls"] == ["init", "start", "update ['timeout_s']"]

@@ -21,6 +21,7 @@ One `send_weights()` on rank 0, pull before pause:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -211,10 +212,22 @@ class LlamarlTrainerWeightTransferEngine:
         version = self.policy_version + 1 if policy_version is None else int(policy_version)
         if self.is_sender:
             self.client.start_weight_update()
-        stats = self.sender.send(version)
+        try:
+            stats = self.sender.send(version)
+        except BaseException:
+            if self.is_sender:
+                self._end_failed_update()
+            raise
         pause_s, reset = self._swap(version) if self.is_sender else (None, None)
         self.policy_version = version
         return SendReport(policy_version=version, stats=stats, pause_s=pause_s, prefix_cache_reset=reset)
+
+    def _end_failed_update(self) -> None:
+        """After a failed send: vLLM's workers keep an update started until `update_weights` ends it, and
+        refuse the next start meanwhile; this one fails on the pull's own error (or the engine is gone)
+        and leaves them ready for the next sync."""
+        with contextlib.suppress(Exception):
+            self.client.update_weights({"timeout_s": self.sender.group.timeout_s})
 
     def _swap(self, version: int) -> tuple[float, bool | None]:
         """The engine's pause: (seconds from pause to resume, whether the prefix cache was reset)."""
