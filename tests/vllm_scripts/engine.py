@@ -1,8 +1,10 @@
 """Engine side of tests/test_vllm_adapter.py; runs in the vLLM environment.
 
-Waits for the trainer to write the served model folder, starts a real vLLM engine on it with llamarl's
-worker extension, generates greedily (old weights), joins the weight-sync group (`join_weight_sync`),
-receives two syncs, generating after each, and writes everything the parent test asserts on to
+Waits for the trainer to write the served model folder, starts a real vLLM engine on it with the
+`llamarl` weight-transfer backend (registered by llamarl-comm's vLLM plugin, found through its entry
+points) and llamarl's worker extension, generates greedily (old weights), joins the weight-sync group
+(`init_weight_transfer`: vLLM's `init_weight_transfer_engine`), receives two syncs (`sync_weights`:
+start, update, finish), generating after each, and writes everything the parent test asserts on to
 `--result` (JSON): versions reported before/after, token ids and log-probs before/after, and vLLM's own
 sha256 of every parameter as the engine holds it after the sync.
 """
@@ -52,12 +54,13 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     from llamarl.comm import WeightSyncEndpoint
-    from llamarl.comm.adapters.vllm import WORKER_EXTENSION_CLS, join_weight_sync, sync_weights
+    from llamarl.comm.adapters.vllm import WORKER_EXTENSION_CLS, init_weight_transfer, sync_weights
 
     wait_for(args.model_dir / "READY", deadline)
     t0 = time.monotonic()
     llm = LLM(
         model=str(args.model_dir),
+        weight_transfer_config={"backend": "llamarl"},
         worker_extension_cls=WORKER_EXTENSION_CLS,
         enforce_eager=True,
         dtype="float32",  # same dtype as the trainer: the test compares weights bit for bit
@@ -89,7 +92,7 @@ def main() -> None:
     endpoint = WeightSyncEndpoint(
         host=args.host, port=args.port, rank=1, world_size=2, timeout_s=args.timeout_s
     )
-    join_weight_sync(llm, endpoint)
+    init_weight_transfer(llm, endpoint)
     result["policy_versions"] = [sync_weights(llm)]
     result["sync_s"] = time.monotonic() - t0
     result["version_mid"] = llm.collective_rpc("weight_version")
@@ -107,7 +110,7 @@ def main() -> None:
     # linears hash as empty on the CPU backend) — the test compares the ones that keep checkpoint layout.
     checksums = llm.collective_rpc("compute_weight_checksums")[0]
     result["sha256"] = {name.split(":")[-1]: digest for name, digest in checksums.items()}
-    llm.collective_rpc("close_weight_sync")
+    llm.shutdown_weight_transfer_engine()
 
     args.result.write_text(json.dumps(result))
     log("done")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -234,3 +236,152 @@ def test_draw_tokens_never_draws_a_token_of_zero_probability_at_a_block_edge():
 def test_draw_tokens_refuses_nan_logits():
     with pytest.raises(ValueError, match="logits hold NaN or infinite values"):
         draw_tokens(torch.tensor([[0.0, float("nan")], [-0.7, -0.7]]))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# In-flight syncs over llamarl.comm: pulled into staging while decoding goes on, swapped between two steps.
+
+
+def _perturbed(model_dir: str, dtype: torch.dtype, versions: int) -> dict[str, torch.Tensor]:
+    """The weights the trainer sends as `versions`: the checkpoint plus `versions` seeded steps (the same
+    on both ranks, to the bit)."""
+    from llamarl.exec.models import load_model_and_tokenizer
+
+    model, _ = load_model_and_tokenizer(
+        model_dir, dtype=str(dtype).split(".")[-1], device="cpu", with_tokenizer=False
+    )
+    weights = {name: p.detach() for name, p in model.named_parameters()}
+    for version in range(1, versions + 1):
+        g = torch.Generator().manual_seed(version)
+        for t in weights.values():
+            t.add_(torch.randn(t.shape, generator=g).to(dtype) * 0.5)
+    return weights
+
+
+def _in_flight_ranks(rank: int, world_size: int, rdv, model_dir: str, dtype_name: str) -> dict | None:
+    from llamarl.comm import WeightSender, WeightSyncEndpoint, WeightSyncError, WeightSyncGroup
+    from llamarl.comm.testing import wait_until
+
+    dtype = getattr(torch, dtype_name)
+    endpoint = WeightSyncEndpoint(host=rdv.host, port=rdv.port, rank=rank, world_size=2, timeout_s=20)
+    if rank == 0:  # the trainer: versions 1 and 2 in flight (each once told "go"), 3 between generates
+        group = WeightSyncGroup(endpoint)
+        weights = _perturbed(model_dir, dtype, 0)
+        sender = WeightSender(group, weights)
+        for version in (1, 2, 3):
+            group.get(f"test/go/{version}", peer=1)
+            for t, w in zip(weights.values(), _perturbed(model_dir, dtype, version).values(), strict=True):
+                t.copy_(w)  # in place: what the sender reads
+            sender.send(version)
+        group.get("test/done", peer=1)
+        group.close()
+        return None
+
+    from llamarl.exec.generate.packed_linear import PackedLinear
+
+    repacks = []  # every packing of a weight on the decoding thread (the swap must cause none)
+    repack = PackedLinear.repack
+    PackedLinear.repack = lambda self: (repacks.append(1), repack(self))[1]  # (this process only)
+    gen = HFGenerator(model_dir, SamplingConfig(temperature=0.7), seed=0, eos_token_ids=[], dtype=dtype_name)
+    gen.setup()
+    gen.connect_weight_sync(endpoint)
+    group = gen._weights.group
+    out: dict = {"packed_layers": len(gen._weights._packed_layers)}
+
+    def generate_with_sync(version: int) -> dict:
+        """A generate that takes `version` in flight after its 3rd step; the trainer sends at the 4th."""
+        seen: dict = {"steps": 0}
+
+        def between_steps() -> None:
+            seen["steps"] += 1
+            if seen["steps"] == 3:
+                start = time.perf_counter()
+                seen["returned"] = gen.receive_weights(30.0)
+                seen["receive_call_s"] = time.perf_counter() - start
+                # Decoding now runs on the second buffer, which must hold the version served.
+                expected = _perturbed(model_dir, dtype, version - 1)
+                seen["serving_the_old_weights"] = all(
+                    torch.equal(p, expected[n]) for n, p in gen.model.named_parameters()
+                )
+            if seen["steps"] == 4:  # the steps go on while the sync arrives
+                group.put(f"test/go/{version}", True)
+                wait_until(gen._weights.ready, timeout_s=30, what="the pull")
+                seen["repacks_before_swap"] = len(repacks)
+            if seen["steps"] == 7:  # two forward passes after the swap (at the 5th step's boundary)
+                seen["repacks_after_swap"] = len(repacks)
+
+        batch = gen.generate(PROMPTS, samples_per_prompt=2, max_new_tokens=10, between_steps=between_steps)
+        expected = _perturbed(model_dir, dtype, version)
+        seen["versions"] = batch.token_version_BC[0].tolist()
+        seen["policy_version"] = gen.policy_version
+        seen["weights_now"] = all(torch.equal(p, expected[n]) for n, p in gen.model.named_parameters())
+        seen["pull_s"], seen["swap_s"] = gen._weights.last_pull_s, gen._weights.last_swap_s
+        # The packed layers compute with the new weights (no stale oneDNN copy): the same logits as a
+        # plain forward of the same weights.
+        reference = HFGenerator(model_dir, SamplingConfig(temperature=0.7), dtype=dtype_name)
+        reference.setup()
+        with torch.no_grad():
+            for n, p in reference.model.named_parameters():
+                p.copy_(expected[n])
+            ids = torch.tensor([PROMPTS[2]])
+            seen["logits_match"] = torch.allclose(
+                gen.model(ids).logits, reference.model(ids).logits, atol=1e-3, rtol=1e-3
+            )
+        return seen
+
+    out["first"] = generate_with_sync(1)
+    out["second"] = generate_with_sync(2)  # the second buffer was refreshed after the first swap
+    group.put("test/go/3", True)
+    out["lock_step"] = gen.receive_weights(30.0)
+    out["lock_step_weights"] = all(
+        torch.equal(p, _perturbed(model_dir, dtype, 3)[n]) for n, p in gen.model.named_parameters()
+    )
+
+    def never_sent() -> None:  # a sync the trainer never sends: its pull times out
+        if not gen._weights.pulling and gen.policy_version == 3:
+            gen.receive_weights(timeout_s=1.0)
+
+    try:
+        gen.generate(PROMPTS, samples_per_prompt=1, max_new_tokens=4, between_steps=never_sent)
+        out["failed"] = None
+    except WeightSyncError as exc:
+        out["failed"] = str(exc)
+    out["version_after_failure"] = gen.policy_version
+    out["weights_after_failure"] = all(
+        torch.equal(p, _perturbed(model_dir, dtype, 3)[n]) for n, p in gen.model.named_parameters()
+    )
+    after = gen.generate(PROMPTS, samples_per_prompt=1, max_new_tokens=3)
+    out["versions_after_failure"] = sorted(set(after.token_version_BC.flatten().tolist()))
+    group.put("test/done", True)
+    time.sleep(0.2)  # the trainer reads "done" before this rank leaves the store it hosts
+    gen.close()
+    return out
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_an_in_flight_sync_is_pulled_while_decoding_goes_on_and_swapped_between_two_steps(
+    tiny_model_dir, dtype
+):
+    """Pull before pause in the hf generator: `receive_weights` from `between_steps` returns at once,
+    decoding goes on (on the second buffer, which holds the weights served), the sync is swapped in at
+    the first step boundary after it is whole (tokens 0-4 from the old version, 5+ from the new) by a
+    pointer swap, and the model (its packed linears too, in bf16) computes with the new weights. A
+    second in-flight sync finds the second buffer refreshed; a sync between generates lands in place;
+    a sync that fails in flight fails the generate and leaves the weights served as they were."""
+    from llamarl.comm.testing import run_distributed
+
+    _, out = run_distributed(_in_flight_ranks, 2, str(tiny_model_dir), dtype, timeout_s=200)
+    for version, seen in ((1, out["first"]), (2, out["second"])):
+        assert seen["returned"] == version - 1  # at once, with the version still served
+        assert seen["serving_the_old_weights"], version
+        assert seen["versions"] == [version - 1] * 5 + [version] * 5, seen["versions"]
+        assert seen["policy_version"] == version and seen["weights_now"] and seen["logits_match"]
+        assert seen["swap_s"] < 0.05 and seen["pull_s"] > 0, seen
+        assert seen["repacks_after_swap"] == seen["repacks_before_swap"]  # packed on the pull's thread
+    if dtype == "bfloat16":  # (oneDNN packs bf16 linears on this CPU; float32 packing may be refused)
+        assert out["packed_layers"] > 0
+    assert out["lock_step"] == 3 and out["lock_step_weights"]
+    assert out["failed"] is not None
+    assert out["version_after_failure"] == 3 and out["weights_after_failure"]
+    assert out["versions_after_failure"] == [3]

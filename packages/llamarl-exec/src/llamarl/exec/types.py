@@ -202,8 +202,11 @@ class Generator(Protocol):
 
     def receive_weights(self, timeout_s: float) -> int:
         """Waits at most `timeout_s` for the trainer to start a sync, receives it, adopts and returns its
-        policy_version. May be called from `between_steps` during a generate (an in-flight update). On
-        failure `policy_version` is None (the weights may be partly replaced) until a later one succeeds."""
+        policy_version. May be called from `between_steps` during a generate (an in-flight update): the
+        sync is then pulled while decoding goes on and swapped in between two later steps (at the
+        latest when the generate ends), and the call may return before that swap, with the version
+        still served (the hf generator does; the vLLM engine answers once swapped in). On failure
+        `policy_version` is None (the weights may be partly replaced) until a later one succeeds."""
         ...
 
     def mark_weights_lost(self) -> None:

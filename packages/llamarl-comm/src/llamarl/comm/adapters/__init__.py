@@ -1,6 +1,12 @@
 """Engine adapters for llamarl.comm.
 
-Each adapter lives in its own module and imports its engine lazily, so that `llamarl-comm` keeps torch as
-its only dependency: `llamarl.comm.adapters.vllm` imports without vLLM installed, and only touches vLLM
-objects handed to it (the worker it is mixed into, or the `LLM` a driver passes in).
+Each adapter imports its engine lazily, so that `llamarl-comm` keeps torch as its only dependency:
+
+- `staged`: pull before pause for any engine (receive a sync into staging on a thread while the engine
+  serves; the engine pauses only to swap it in);
+- `checkpoint`: what an engine serving a HF safetensors folder expects a sync to deliver;
+- `vllm` (the plugin and offline drivers), `vllm_engine` (the worker's backend: the one module that
+  imports vLLM), `vllm_worker` (its work, without vLLM), `vllm_trainer` (the trainer side, for any
+  PyTorch trainer, and an HTTP client of `vllm serve`): llamarl.comm as vLLM's `llamarl`
+  weight-transfer backend.
 """

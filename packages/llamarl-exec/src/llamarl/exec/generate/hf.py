@@ -6,7 +6,9 @@ Shape legend:
 
 How each token is drawn and its behaviour log-prob recorded (plain temperature sampling, nothing of the
 model's generation defaults): `llamarl.exec.generate.hf_sampling`. The KV cache it decodes into (each
-prompt's computed once for all its samples, each step written in place): `kv_cache`.
+prompt's computed once for all its samples, each step written in place): `kv_cache`. Its weights and
+the syncs that replace them, in place or (in flight) pulled into staging while decoding goes on and
+swapped in between two steps: `hf_weights`.
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from llamarl.comm import WeightReceiver, WeightSyncEndpoint, WeightSyncGroup
+from llamarl.comm import WeightSyncEndpoint, WeightSyncGroup
 from llamarl.exec.config import LoraConfig, SamplingConfig
 from llamarl.exec.generate.hf_sampling import BehaviorLogprobRecorder, rollout_batch
-from llamarl.exec.generate.packed_linear import pack_linear_layers, weights_changed
+from llamarl.exec.generate.hf_weights import HFWeights
+from llamarl.exec.generate.packed_linear import pack_linear_layers
 from llamarl.exec.lora import adapter_tensors, add_lora
 from llamarl.exec.models import load_model_and_tokenizer, resolve_dtype
 from llamarl.exec.multiturn.episodes import BatchTurnSession
@@ -36,9 +39,10 @@ class HFGenerator:
     """Samples completions with a transformers model; implements `llamarl.exec.types.Generator`.
 
     Attributes:
-        model: the policy module; weight sync writes into its parameters in place.
+        model: the policy module; a weight sync writes into its parameters (in place, or in flight into
+            a staging copy whose memory they then take: `hf_weights`).
         policy_version: (read-only) the version of the weights in `model`, stamped on every generated
-            token: 0 (the checkpoint) from setup, then set by `receive_weights`.
+            token: 0 (the checkpoint) from setup, then set by `receive_weights` (in flight: at the swap).
     """
 
     # `generate` takes `between_steps`: stream mode loads new weights between decoding steps.
@@ -75,7 +79,8 @@ class HFGenerator:
         self._policy_version: int | None = 0
         self._weights_written = False  # a sync wrote into `model`: it is no longer the checkpoint
         self.model = None
-        self._weights: WeightReceiver | None = None
+        self._weights: HFWeights | None = None
+        self._decoding = False  # a generate is between two of its steps: a sync taken now is in flight
 
     @property
     def policy_version(self) -> int | None:
@@ -134,24 +139,42 @@ class HFGenerator:
         group = WeightSyncGroup(endpoint, device=self.device if endpoint.backend == "nccl" else None)
         try:
             destination = adapter_tensors(self.model) if self.lora is not None else self.model
-            self._weights = WeightReceiver(group, destination)
+            self._weights = HFWeights(group, self.model, destination)
         except BaseException:
             group.close()
             raise
-        return len(self._weights.layout.tensors)
+        return self._weights.num_tensors
 
     def receive_weights(self, timeout_s: float) -> int:
         """Waits at most `timeout_s` for the trainer to start a sync, receives it into `model` and adopts
-        its policy_version (None while receiving: a failed sync leaves the weights partly replaced)."""
-        if self._weights is None:
+        its policy_version (None while receiving: a failed sync leaves the weights partly replaced).
+
+        Called from a generate's `between_steps` (in flight), it returns at once with the version still
+        served: the sync is pulled into staging on a thread while decoding goes on, and swapped in
+        between two later steps once whole (at the latest when the generate ends), which is when
+        `policy_version` changes and later tokens are stamped with it. A sync that fails in flight
+        fails the generate, and leaves the weights served (and their version) as they were."""
+        weights = self._weights
+        if weights is None:
             raise RuntimeError("HFGenerator.receive_weights called before connect_weight_sync()")
+        self._swap_in()  # a sync asked for before this one goes in first
+        if self._decoding:
+            weights.begin(timeout_s)
+            return synced_version(self._policy_version, "the hf generator")
         self._policy_version = None
         self._weights_written = True
-        try:
-            self._policy_version = self._weights.receive(timeout_s)
-        finally:  # (written through `.data`, which the packed layers cannot see; also a partial write)
-            weights_changed(self.model)
+        self._policy_version = weights.receive(timeout_s)
         return self._policy_version
+
+    def _swap_in(self, *, if_ready: bool = False) -> None:
+        """Swaps a sync pulled in flight in and adopts its version: now (waiting for it), or only once it
+        is whole (`if_ready`); nothing when none is pulled. Raises its error if it failed (the weights
+        served stay as they were)."""
+        weights = self._weights
+        if weights is None or not weights.pulling or (if_ready and not weights.ready()):
+            return
+        self._policy_version = weights.swap()
+        self._weights_written = True
 
     def mark_weights_lost(self) -> None:
         """`policy_version` is None (no generate) until a `receive_weights` succeeds."""
@@ -198,11 +221,11 @@ class HFGenerator:
         `prompts`: token ids (chat template applied), no padding; a prompt's completions are contiguous
         in the batch. `greedy`: argmax decoding for evaluation; the log-probs are then those of the
         argmax tokens under softmax(logits / temperature). `between_steps` is called between decoding
-        steps (after step t's logits, before step t + 1's forward pass): it may load new weights into
-        `model` in place and raise `policy_version` (an in-flight update: later tokens come from the
-        new weights, the KV cache of earlier ones is kept), raise to abandon the call, or raise
-        `PauseGeneration` to keep what was sampled: `GenerationPaused` then holds it (every row has the
-        same number of steps; rows that met EOS are finished).
+        steps (after step t's logits, before step t + 1's forward pass): it may take a sync in flight
+        (`receive_weights`: pulled while decoding goes on, swapped in at a later step boundary; later
+        tokens come from the new weights, the KV cache of earlier ones is kept), raise to abandon the
+        call, or raise `PauseGeneration` to keep what was sampled: `GenerationPaused` then holds it
+        (every row has the same number of steps; rows that met EOS are finished).
 
         Returns a RolloutBatch with rewards zeros, policy_version_B the version at the first token and
         token_version_BC the version that sampled each token.
@@ -215,15 +238,10 @@ class HFGenerator:
         rows = [p for p in prompts for _ in range(samples_per_prompt)]
         prompt_ids_BP, prompt_mask_BP = left_pad(rows, self.pad_token_id)
         step_versions: list[int] = []  # the policy_version whose logits drew each step's token
-
-        def on_step() -> None:
-            step_versions.append(synced_version(self._policy_version, "the hf generator"))
-            if between_steps is not None:
-                between_steps()
-
         # The recorder draws each sampled token itself from softmax(logits / T), the distribution the
         # behaviour log-probs describe, and hands generate scores whose argmax is that token: generate
         # decodes greedily either way, so none of its samplers touch the tokens.
+        on_step = self._on_step(step_versions, between_steps)
         recorder = BehaviorLogprobRecorder(self.sampling.temperature, on_step, draws=not greedy)
         batch = dict(samples_per_prompt=samples_per_prompt, version_at_start=version_at_start)
         try:
@@ -231,14 +249,34 @@ class HFGenerator:
                 prompt_ids_BP, prompt_mask_BP, recorder, samples_per_prompt, max_new_tokens
             )
         except PauseGeneration:
+            self._swap_in()  # a sync still pulled goes in now (the trainer is sending it)
             raise self._paused(
                 recorder, prompt_ids_BP, prompt_mask_BP, step_versions, max_new_tokens, batch
             ) from None
+        self._swap_in()
         completion_ids_BC = sequences[:, prompt_ids_BP.shape[1] :].cpu()
         logprobs_BC = recorder.finish(sequences[:, -1]).cpu()
         return self._batch(
             prompt_ids_BP, prompt_mask_BP, completion_ids_BC, logprobs_BC, step_versions, **batch
         )
+
+    def _on_step(
+        self, step_versions: list[int], between_steps: Callable[[], None] | None
+    ) -> Callable[[], None]:
+        """What runs between two decoding steps: the version that drew this step's token is recorded, a
+        sync pulled meanwhile goes in, then `between_steps` runs (a sync it takes is in flight)."""
+
+        def on_step() -> None:
+            step_versions.append(synced_version(self._policy_version, "the hf generator"))
+            self._swap_in(if_ready=True)  # the next forward pass runs with the sync pulled meanwhile
+            if between_steps is not None:
+                self._decoding = True
+                try:
+                    between_steps()
+                finally:
+                    self._decoding = False
+
+        return on_step
 
     def _decode(
         self,
@@ -265,26 +303,9 @@ class HFGenerator:
                 past_key_values=shared_prompt_cache(
                     self.model, prompt_ids_BP, prompt_mask_BP, samples_per_prompt, max_new_tokens
                 ),
-                generation_config=self._generation_config(max_new_tokens),
+                generation_config=_generation_config(max_new_tokens, self.eos_token_ids, self.pad_token_id),
                 logits_processor=LogitsProcessorList([recorder]),
             )
-
-    def _generation_config(self, max_new_tokens: int) -> GenerationConfig:
-        """Greedy over the recorder's scores, with every other processor of `generate` neutral."""
-        from transformers import GenerationConfig
-
-        return GenerationConfig(
-            do_sample=False,
-            repetition_penalty=1.0,
-            no_repeat_ngram_size=0,
-            max_new_tokens=max_new_tokens,
-            min_length=0,
-            num_beams=1,
-            eos_token_id=self.eos_token_ids,
-            pad_token_id=self.pad_token_id,
-            use_cache=True,
-            return_dict_in_generate=False,
-        )
 
     def _paused(
         self,
@@ -314,6 +335,24 @@ class HFGenerator:
         return rollout_batch(
             *args, eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id, **kwargs
         )
+
+
+def _generation_config(max_new_tokens: int, eos_token_ids: list[int], pad_token_id: int) -> GenerationConfig:
+    """Greedy over the recorder's scores, with every other processor of `generate` neutral."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig(
+        do_sample=False,
+        repetition_penalty=1.0,
+        no_repeat_ngram_size=0,
+        max_new_tokens=max_new_tokens,
+        min_length=0,
+        num_beams=1,
+        eos_token_id=eos_token_ids,
+        pad_token_id=pad_token_id,
+        use_cache=True,
+        return_dict_in_generate=False,
+    )
 
 
 def _special_token_ids(

@@ -66,8 +66,25 @@ class PackedLinear(torch.nn.Linear):
         """Packs the weight as it is now (after a write the version counter cannot see)."""
         weight = self.weight
         self._packed = None  # (the old copy goes before the new one is made: one layer's extra at a time)
-        self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _ROWS_HINT)
+        self._packed = pack_weight(weight)
         self._packed_of = (weight.data_ptr(), weight._version)
+
+    def adopt(self, packed: torch.Tensor | None) -> None:
+        """Takes `packed` (`pack_weight` of the values the weight holds now, e.g. prepared off the decoding
+        thread before the weight was pointed at new memory) as the packed copy of its current weight;
+        None: the weight's values did not change, only its memory, and the copy held still fits."""
+        if packed is None:
+            packed = self._packed
+        if packed is None:  # never packed yet: its first call packs it
+            return
+        self._packed = packed
+        self._packed_of = (self.weight.data_ptr(), self.weight._version)
+
+
+@torch.no_grad()
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [out_features, in_features] in oneDNN's blocked layout: what `PackedLinear` multiplies by."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _ROWS_HINT)
 
 
 def packing_works(dtype: torch.dtype) -> bool:

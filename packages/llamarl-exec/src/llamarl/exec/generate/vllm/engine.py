@@ -1,16 +1,19 @@
 """The engine process's requests (vLLM environment): `Engine` serves each request of `protocol` with a
-`vllm.LLM` built with llamarl.comm's weight-sync worker extension.
+`vllm.LLM` built with llamarl.comm's `llamarl` weight-transfer backend.
 
 In-flight requests: `Generate` steps the engine itself (`LLMEngine.add_request` + `step()`, what
 `LLM.generate` does inside) and, between two engine steps, answers the requests that may arrive while
 it runs (`protocol.NESTED_METHODS`: a weight sync, a version or progress query, an abort, a pause that
-ends the generate with what it sampled so far). A weight sync then loads while the requests stay in
-flight, their KV cache from the old weights kept (partial rollouts, as in PipelineRL / AReaL), and
-later tokens come from the new weights.
+ends the generate with what it sampled so far). A weight sync taken while requests run (a generate's,
+or model turns) is pulled into the workers' staging while the engine keeps stepping them, and swapped
+in between two steps once whole: generation pauses only for the swap. The requests stay in flight,
+their KV cache from the old weights kept (partial rollouts, as in PipelineRL / AReaL), and later tokens
+come from the new weights.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import traceback
 from collections.abc import Callable
@@ -49,6 +52,8 @@ class Engine:
         self._ids = itertools.count()  # numbers every engine request of this process
         self.turns = EngineTurns(llm, lambda: next(self._ids), lambda: self.weights.version)
         self._generating: Completions | None = None  # the generate in flight's completions
+        # A sync asked for during a generate, pulled while it steps; answered once swapped in.
+        self._sync: p.ReceiveWeights | None = None
         self._handlers: dict[type[p.Request], Callable[[Any], Any]] = {
             p.Generate: self.generate,
             p.TurnsAdd: lambda r: self.turns.add(r.turns, r.temperature, r.stop_token_ids, r.seed),
@@ -60,8 +65,8 @@ class Engine:
             p.Abort: lambda r: None,  # outside a generate (it finished first): nothing to abandon
             p.Pause: lambda r: None,  # likewise
             p.Close: self._close,
-            p.InitWeightSync: lambda r: self.weights.join(r.endpoint),
-            p.ReceiveWeights: lambda r: self.weights.receive(r.timeout_s, in_flight=self.in_flight),
+            p.InitWeightSync: lambda r: self.weights.join(r.endpoint, r.announce_timeout_s),
+            p.ReceiveWeights: self._receive_weights,
             p.WeightVersion: lambda r: self.weights.reported_version(),
             p.CloseWeightSync: lambda r: self.weights.close(),
         }
@@ -113,6 +118,16 @@ class Engine:
         self.turns.abort()
         self.weights.settle_prefix_cache()
 
+    def _receive_weights(self, request: p.ReceiveWeights) -> int:
+        """A sync outside a generate: model turns running keep decoding while it is pulled (their tokens
+        wait in `turns` for the next TurnsWait), and it is swapped in between two of their steps."""
+        if not self.turns.running:
+            return self.weights.receive(request.timeout_s, in_flight=False)
+        self.weights.begin()
+        while self.turns.running and not self.weights.staged():
+            self.turns.step()
+        return self.weights.complete(request.timeout_s, in_flight=self.in_flight)
+
     # -- generate -------------------------------------------------------------------------------------
 
     def generate(self, request: p.Generate) -> p.GenerateReply:
@@ -135,12 +150,15 @@ class Engine:
         try:
             add_prompts(self.llm, request_ids, request.prompts, params, added)
             paused = self._step_until_done(completions)
+            # A sync still being pulled when the requests ended goes in now, before the reply.
+            self._settle_sync(block=True)
             if not paused:
                 added = []  # every request finished: nothing to abort
         finally:
             self._generating = None
             if added:  # aborted or failed half way: the requests must not run into the next call
                 self.llm.llm_engine.abort_request(added)
+            self._answer_abandoned_sync()
             self.weights.settle_prefix_cache()
         if not paused and not all(completions.finished):
             raise RuntimeError(
@@ -155,9 +173,10 @@ class Engine:
         while engine.has_unfinished_requests():
             version_before = self.weights.version
             try:
-                self._serve_nested()  # may load new weights (and raise GenerateAborted)
+                self._serve_nested()  # may begin a sync (and raise GenerateAborted)
             except GeneratePaused:
                 return True
+            self._settle_sync(block=False)  # a sync pulled meanwhile goes in between these two steps
             if self.weights.version != version_before:
                 completions.note_version(self.weights.version)
             # The weights this step's forward pass runs with stamp its tokens.
@@ -179,11 +198,41 @@ class Engine:
                 raise GeneratePaused
             if isinstance(request, p.Close):
                 raise CloseRequested
-            refused = self.refusal(request) is not None  # (the generate goes on)
-            reply = self.reply_to(request)
-            self.conn.send(reply)
-            if isinstance(request, p.ReceiveWeights) and reply.error is not None and not refused:
-                # The weights may be partly replaced: tokens sampled on would come from no policy at all.
-                raise RuntimeError(
-                    "the weight sync taken during this generate failed; its requests were aborted"
-                )
+            if isinstance(request, p.ReceiveWeights) and self.refusal(request) is None:
+                self._begin_sync(request)  # answered once swapped in (`_settle_sync`)
+                continue
+            self.conn.send(self.reply_to(request))
+
+    def _begin_sync(self, request: p.ReceiveWeights) -> None:
+        """Starts pulling the sync `request` asks for while the generate steps on; one asked for while
+        another is still pulled waits for that one to go in first."""
+        if self._sync is not None:
+            self._settle_sync(block=True)
+        self.weights.begin()
+        self._sync = request
+
+    def _settle_sync(self, *, block: bool) -> None:
+        """Swaps the sync pulled during the generate in once it is whole (`block`: now, waiting for the
+        pull) and answers its request. A failed sync ends the generate: the weights may be partly
+        replaced, and tokens sampled on would come from no policy at all."""
+        request = self._sync
+        if request is None or not (block or self.weights.staged()):
+            return
+        self._sync = None
+        try:
+            version = self.weights.complete(request.timeout_s, in_flight=self.in_flight)
+        except Exception:
+            self.conn.send(p.Reply(request.method, error=traceback.format_exc()))
+            raise RuntimeError(
+                "the weight sync taken during this generate failed; its requests were aborted"
+            ) from None
+        self.conn.send(p.Reply(request.method, version))
+
+    def _answer_abandoned_sync(self) -> None:
+        """A generate that ended by an error or an abort with a sync still pulled: the sync goes in
+        anyway (its sender is sending), and its request gets the answer."""
+        if self._sync is None:
+            return
+        # (Answered with its error, or the generator is gone.)
+        with contextlib.suppress(RuntimeError, OSError):
+            self._settle_sync(block=True)

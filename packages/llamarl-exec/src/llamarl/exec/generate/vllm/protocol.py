@@ -155,17 +155,21 @@ class Close(Request):
 
 @dataclass(frozen=True)
 class InitWeightSync(Request):
-    """The engine's workers join the trainer's weight-sync group as `endpoint` says (worker 0's rank).
-    Reply: the number of tensors each sync delivers."""
+    """The engine's workers join the trainer's weight-sync group as `endpoint` says (worker 0's rank);
+    a sync they begin waits at most `announce_timeout_s` (default: the endpoint's timeout_s) for the
+    trainer to start it. Reply: the number of tensors each sync delivers."""
 
     method = "init_weight_sync"
     endpoint: WeightSyncEndpoint
+    announce_timeout_s: float | None = None
 
 
 @dataclass(frozen=True)
 class ReceiveWeights(Request):
-    """One sync from the trainer, waiting at most `timeout_s` for it to start; during a generate it
-    loads between two steps, the requests in flight keeping their KV cache. Reply: its policy_version."""
+    """One sync from the trainer, waiting at most `timeout_s` for it. While requests run (a generate's,
+    or model turns) the engine keeps stepping them as the sync is pulled into staging, and swaps it in
+    between two steps once it is whole: the requests keep their KV cache, later tokens come from the
+    new weights. Reply (once swapped in): its policy_version."""
 
     method = "receive_weights"
     nested = True

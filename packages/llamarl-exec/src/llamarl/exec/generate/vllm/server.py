@@ -1,15 +1,17 @@
 """The vLLM engine process behind `llamarl.exec.VLLMGenerator`: runs in the vLLM environment.
 
 Started by the generator (`python -P server.py --fd N ...`) with one end of a socket pair; it builds a
-`vllm.LLM` with llamarl's weight-sync worker extension, sends `protocol.Started`, then answers each
+`vllm.LLM` with llamarl.comm's `llamarl` weight-transfer backend, sends `protocol.Started`, then answers each
 `protocol.Request` with a `protocol.Reply` (`engine.Engine` serves them) until `Close` or until the
 parent goes away (end of file on the socket). It imports only the standard library, vLLM, `llamarl.comm`
 and this folder's engine modules (`env.engine_import_root` puts them on its path): it runs under the
 vLLM environment's torch, never the workspace's, and is run as a file, not imported.
 
-Why a process of its own and not vLLM's own server: the weights reach the engine straight from the
-trainer over llamarl.comm (the worker extension joins the weight-sync group), and the few calls needed
-here (generate token ids, receive a sync, report the version) fit in a socket pair with no HTTP stack.
+Why a process of its own and not vLLM's own server: the engine steps its requests itself, so that a
+weight sync pulled while they run goes in between two steps and every token is stamped with the
+version that drew it; the weights reach the engine straight from the trainer over llamarl.comm (vLLM's
+weight-transfer API with the `llamarl` backend), and the few calls needed here (generate token ids,
+receive a sync, report the version) fit in a socket pair with no HTTP stack.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
+from llamarl.comm.adapters.vllm_trainer import BACKEND
 from llamarl.exec.generate.vllm import protocol
 
 
@@ -55,6 +58,9 @@ def llm_kwargs(args: argparse.Namespace, *, worker_extension_cls: str) -> dict[s
     cuda = args.device == "cuda"
     kwargs: dict[str, Any] = dict(
         model=args.model,
+        # Weight syncs go through vLLM's weight-transfer API, with llamarl.comm as its backend (registered
+        # by llamarl-comm's vLLM plugin); the extension reports what that API does not (versions, staging).
+        weight_transfer_config={"backend": BACKEND},
         worker_extension_cls=worker_extension_cls,
         dtype=args.dtype,
         max_model_len=args.max_model_len,
