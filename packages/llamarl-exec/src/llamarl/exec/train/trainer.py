@@ -22,7 +22,6 @@ train, and `sync_tensors()` is only them: the generators hold the same base weig
 
 from __future__ import annotations
 
-import math
 import time
 
 import torch
@@ -34,19 +33,15 @@ from llamarl.algo import (
     kl_penalty_loss,
 )
 from llamarl.exec.config import AlgorithmConfig, TrainerConfig
-from llamarl.exec.lora import adapter_tensors, add_lora, merged_state_dict
-from llamarl.exec.models import load_model_and_tokenizer, resolve_dtype
-from llamarl.exec.train import varlen_attention
-from llamarl.exec.train.compiled_modules import compile_modules, wants_compile
+from llamarl.exec.lora import adapter_tensors, merged_state_dict
+from llamarl.exec.models import resolve_dtype
 from llamarl.exec.train.lr_schedules import lr_factor
 from llamarl.exec.train.mixed_precision import ComputeCopy
-from llamarl.exec.train.parallel import all_reduce_max, all_reduce_sum, full_tensor, shard_model
+from llamarl.exec.train.parallel import all_reduce_sum, full_tensor
 from llamarl.exec.train.policy_logprobs import PolicyLogprobs
+from llamarl.exec.train.policy_modules import ModuleSettings, load_policy_modules
+from llamarl.exec.train.step_metrics import StepTotals
 from llamarl.exec.types import RolloutBatch
-
-# Loss metrics named `*_max` are maxima over the batch (llamarl.algo's convention); every other metric
-# is averaged over micro-batches weighted by their valid tokens.
-_MAX_SUFFIX = "_max"
 
 
 class PolicyTrainer:
@@ -64,6 +59,13 @@ class PolicyTrainer:
         ref_model: the frozen reference policy when `kl_coef` > 0, else None.
         policy_version: number of optimizer steps taken; the weights in `model` are this version.
     """
+
+    model: torch.nn.Module | None
+    compute_model: torch.nn.Module | None
+    ref_model: torch.nn.Module | None
+    _compute_copy: ComputeCopy | None
+    optimizer: torch.optim.Optimizer | None
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None
 
     def __init__(
         self,
@@ -98,12 +100,7 @@ class PolicyTrainer:
         self.seed = seed
         self.group = group
         self.policy_version = 0
-        self.model = None
-        self.compute_model = None
-        self.ref_model = None
-        self._compute_copy: ComputeCopy | None = None
-        self.optimizer: torch.optim.Optimizer | None = None
-        self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+        self.close()  # nothing loaded before setup()
         self.loss_fn = get_policy_loss(
             algorithm.loss,
             mismatch_is=algorithm.mismatch_is,
@@ -118,40 +115,10 @@ class PolicyTrainer:
         cfg = self.config
         if self.seed is not None:
             torch.manual_seed(self.seed)
-        # float32 parameters: the master weights (and so the optimizer state); FSDP2 or a compute copy
-        # casts them for compute.
-        model, _ = load_model_and_tokenizer(
-            self.model_name, dtype=torch.float32, device=self.device, with_tokenizer=False
-        )
-        if cfg.lora.rank:
-            add_lora(model, cfg.lora)
-        if cfg.activation_checkpointing and not self.is_sharded:  # (under FSDP2: see shard_model)
-            _enable_activation_checkpointing(model)
-        model.config.use_cache = False  # no KV cache in training forward passes
-        self._use_varlen_attention(model)
-        model.train()
-        self.model = self._wrap_model(model)
-        self.compute_model = self.model
-        if self.mixed_precision and not self.is_sharded:
-            self._compute_copy = ComputeCopy(self.model, self.compute_dtype)
-            self.compute_model = self._compute_copy.module
-        if wants_compile(cfg.compile, self.compute_model, self.device, sharded=self.is_sharded):
-            compile_modules(self.compute_model, required=cfg.compile == "on")
-        if self.algorithm.kl_coef > 0:
-            # Never trained: without FSDP2 it is loaded in the compute dtype straight away.
-            ref, _ = load_model_and_tokenizer(
-                self.model_name,
-                dtype=torch.float32 if self.is_sharded else self.compute_dtype,
-                device=self.device,
-                with_tokenizer=False,
-            )
-            ref.requires_grad_(False)
-            ref.config.use_cache = False
-            self._use_varlen_attention(ref)
-            ref.eval()
-            # Sharded like the policy; it never trains and is never synced, so its root reshards
-            # after every forward instead of holding its weights gathered for a backward pass.
-            self.ref_model = self._wrap_model(ref, frozen=True)
+        settings = ModuleSettings(self.model_name, cfg, self.device, self.compute_dtype, self.group)
+        modules = load_policy_modules(settings, with_reference=self.algorithm.kl_coef > 0)
+        self.model, self.compute_model = modules.model, modules.compute_model
+        self._compute_copy, self.ref_model = modules.compute_copy, modules.ref_model
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
             lr=cfg.lr,
@@ -167,14 +134,6 @@ class PolicyTrainer:
             ),
         )
 
-    def _use_varlen_attention(self, model: torch.nn.Module) -> None:
-        """Packed rows: attention per packed sequence (`llamarl.exec.train.varlen_attention`), never a dense
-        block-diagonal [T, T] mask, which on the CPU is quadratic in the packed length and sends SDPA to
-        its slow masked path. Set before FSDP2 wraps the model (the setting lives in its config)."""
-        if self.config.pack_tokens:
-            varlen_attention.register()
-            model.set_attn_implementation(varlen_attention.VARLEN_ATTENTION)
-
     def close(self) -> None:
         """Drops the models and optimizer state."""
         self.model = None
@@ -188,26 +147,6 @@ class PolicyTrainer:
     def is_sharded(self) -> bool:
         """Whether the model is under FSDP2 (a trainer group was given)."""
         return self.group is not None
-
-    @property
-    def mixed_precision(self) -> bool:
-        """Whether forward and backward run in a lower precision than the float32 master weights."""
-        return self.compute_dtype != torch.float32
-
-    def _wrap_model(self, model: torch.nn.Module, *, frozen: bool = False) -> torch.nn.Module:
-        """FSDP2 over the trainer group when there is one (any size, so mixed precision works on one
-        rank too); the plain module otherwise. `frozen`: a model that is never trained (the reference)."""
-        if self.group is None:
-            return model
-        return shard_model(
-            model,
-            self.group,
-            device=torch.device(self.device),
-            param_dtype=self.compute_dtype if self.mixed_precision else None,
-            # A frozen model runs no backward: its root need not stay gathered, nothing to recompute.
-            reshard_root_after_forward=frozen,
-            activation_checkpointing=self.config.activation_checkpointing and not frozen,
-        )
 
     def _global_counts(self, num_valid_tokens: int, num_sequences: int) -> tuple[int, int]:
         """The token and sequence counts of the whole batch (summed over the trainer ranks)."""
@@ -290,78 +229,68 @@ class PolicyTrainer:
         num_valid_tokens, num_sequences = self._global_counts(
             batch.num_completion_tokens, batch.num_sequences
         )
-        denominator_tokens = max(num_valid_tokens, 1)  # an all-empty batch gives a zero loss, not nan
-
-        loss_total = 0.0
-        logprob_sum = 0.0
-        entropy_sum = 0.0
-        weighted: dict[str, float] = {}
-        maxima: dict[str, float] = {}
+        totals = StepTotals()
         for rows in self.forward.micro_batches(batch):
             logprobs_MC, entropy_MC, mask_MC = self.forward.logprobs(model, batch, rows, device)
-            micro_tokens = int(mask_MC.sum())
-            length = mask_MC.shape[1]
-            loss, loss_metrics = self.loss_fn(
+            loss, loss_metrics = self._micro_batch_loss(
+                batch,
+                rows,
                 logprobs_MC,
-                batch.behavior_logprobs_BC[rows, :length].to(device),
-                advantages_B[rows].to(device),
                 mask_MC,
-                num_valid_tokens=denominator_tokens,
-                num_sequences=num_sequences,
+                advantages_B[rows].to(device),
+                num_valid_tokens,
+                num_sequences,
             )
-            if self.ref_model is not None:
-                with torch.no_grad():
-                    ref_logprobs_MC, _, _ = self.forward.logprobs(self.ref_model, batch, rows, device)
-                kl_loss, kl_metrics = kl_penalty_loss(
-                    logprobs_MC,
-                    ref_logprobs_MC,
-                    mask_MC,
-                    estimator=self.algorithm.kl_estimator,
-                    coef=self.algorithm.kl_coef,
-                    num_valid_tokens=denominator_tokens,
-                )
-                loss = loss + kl_loss
-                loss_metrics = {**loss_metrics, **kl_metrics}
             loss.backward()
-            loss_total += float(loss.detach())
-            logprob_sum += float(logprobs_MC.detach().masked_fill(mask_MC == 0, 0.0).sum())
-            entropy_sum += float(entropy_MC.sum())  # (0 on padding)
-            for name, value in loss_metrics.items():
-                value = float(value)
-                if name.endswith(_MAX_SUFFIX):
-                    maxima[name] = max(maxima.get(name, -math.inf), value)
-                else:  # local means: weight by the tokens they averaged over (0 for an empty one)
-                    weighted[name] = weighted.get(name, 0.0) + (value * micro_tokens if micro_tokens else 0.0)
+            totals.add(loss, logprobs_MC, entropy_MC, mask_MC, loss_metrics)
             del logprobs_MC, loss, loss_metrics  # free this micro-batch's graph before the next forward
+        return totals.reduce(
+            batch.rewards_B,
+            advantages_B,
+            num_valid_tokens=num_valid_tokens,
+            num_sequences=num_sequences,
+            group=self.group,
+        )
 
-        # Every rank ran the same loss, so the metric names agree; sort them so the reductions line up.
-        weighted_names, max_names = sorted(weighted), sorted(maxima)
-        sums = all_reduce_sum(
-            [
-                loss_total,
-                logprob_sum,
-                entropy_sum,
-                float(batch.rewards_B.float().sum()),
-                float(advantages_B.abs().sum()),
-                *(weighted[n] for n in weighted_names),
-            ],
-            self.group,
+    def _micro_batch_loss(
+        self,
+        batch: RolloutBatch,
+        rows: slice,
+        logprobs_MC: torch.Tensor,
+        mask_MC: torch.Tensor,
+        advantages_M: torch.Tensor,
+        num_valid_tokens: int,
+        num_sequences: int,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss of the micro-batch `rows` of `batch` (with the KL penalty when there is a reference)
+        and its metrics: its share of the full-batch loss, divided by the global counts.
+
+        `logprobs_MC` (with gradient) and `mask_MC` are the policy's log-probs and loss mask of its
+        completion tokens, over its first C' completion columns; `advantages_M` its sequences'.
+        """
+        denominator_tokens = max(num_valid_tokens, 1)  # an all-empty batch gives a zero loss, not nan
+        device = logprobs_MC.device
+        loss, loss_metrics = self.loss_fn(
+            logprobs_MC,
+            batch.behavior_logprobs_BC[rows, : mask_MC.shape[1]].to(device),
+            advantages_M,
+            mask_MC,
+            num_valid_tokens=denominator_tokens,
+            num_sequences=num_sequences,
         )
-        highs = all_reduce_max([maxima[n] for n in max_names], self.group)
-        num_rows = max(num_sequences, 1)
-        metrics = {
-            "loss": sums[0],
-            "logprob_mean": sums[1] / denominator_tokens,
-            "entropy_mean": sums[2] / denominator_tokens,
-            "reward_mean": sums[3] / num_rows,
-            "advantage_abs_mean": sums[4] / num_rows,
-            "num_valid_tokens": float(num_valid_tokens),
-        }
-        metrics.update(
-            {n: total / denominator_tokens for n, total in zip(weighted_names, sums[5:], strict=True)}
+        if self.ref_model is None:
+            return loss, loss_metrics
+        with torch.no_grad():
+            ref_logprobs_MC, _, _ = self.forward.logprobs(self.ref_model, batch, rows, device)
+        kl_loss, kl_metrics = kl_penalty_loss(
+            logprobs_MC,
+            ref_logprobs_MC,
+            mask_MC,
+            estimator=self.algorithm.kl_estimator,
+            coef=self.algorithm.kl_coef,
+            num_valid_tokens=denominator_tokens,
         )
-        metrics.update(dict(zip(max_names, highs, strict=True)))
-        return metrics
+        return loss + kl_loss, {**loss_metrics, **kl_metrics}
 
     @torch.no_grad()
     def compute_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
@@ -385,13 +314,3 @@ class PolicyTrainer:
         if self._compute_copy is not None:
             self._compute_copy.refresh()
         return self.compute_model
-
-
-def _enable_activation_checkpointing(model: torch.nn.Module) -> None:
-    """Non-reentrant activation checkpointing of every decoder layer, by transformers' own method: named
-    `activation_checkpointing_enable` since transformers 5 (the old name warns there and goes in 6)."""
-    kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
