@@ -11,6 +11,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from llamarl.exec.train.nonfinite import Finiteness
 from llamarl.exec.train.parallel import all_reduce_max, all_reduce_sum
 
 # Loss metrics named `*_max` are maxima over the batch (llamarl.algo's convention); every other metric
@@ -59,15 +60,18 @@ class StepTotals:
         num_valid_tokens: int,
         num_sequences: int,
         group: dist.ProcessGroup | None,
-    ) -> dict[str, float]:
-        """The step's metrics over every trainer rank (a collective over `group`).
+    ) -> tuple[dict[str, float], Finiteness]:
+        """The step's metrics over every trainer rank (a collective over `group`), and whether its
+        advantages and loss are finite here and everywhere (riding on the same all-reduce).
 
         `num_valid_tokens` and `num_sequences` are the whole batch's (already global).
 
         Returns:
-            loss, logprob_mean, entropy_mean, reward_mean, advantage_abs_mean, num_valid_tokens, and the
-            loss's metrics.
+            ({loss, logprob_mean, entropy_mean, reward_mean, advantage_abs_mean, num_valid_tokens, and
+            the loss's metrics}, Finiteness).
         """
+        advantages_here = bool(torch.isfinite(advantages_B).all())
+        loss_here = math.isfinite(self.loss)
         # Every rank ran the same loss, so the metric names agree; sort them so the reductions line up.
         weighted_names, max_names = sorted(self.weighted), sorted(self.maxima)
         sums = all_reduce_sum(
@@ -77,6 +81,8 @@ class StepTotals:
                 self.entropy_sum,
                 float(rewards_B.float().sum()),
                 float(advantages_B.abs().sum()),
+                float(not advantages_here),
+                float(not loss_here),
                 *(self.weighted[n] for n in weighted_names),
             ],
             group,
@@ -93,7 +99,13 @@ class StepTotals:
             "num_valid_tokens": float(num_valid_tokens),
         }
         metrics.update(
-            {n: total / denominator_tokens for n, total in zip(weighted_names, sums[5:], strict=True)}
+            {n: total / denominator_tokens for n, total in zip(weighted_names, sums[7:], strict=True)}
         )
         metrics.update(dict(zip(max_names, highs, strict=True)))
-        return metrics
+        finiteness = Finiteness(
+            advantages_here=advantages_here,
+            advantages_everywhere=sums[5] == 0,
+            loss_here=loss_here,
+            loss_everywhere=sums[6] == 0,
+        )
+        return metrics, finiteness

@@ -18,6 +18,16 @@ mixed-precision policy, on one rank without it by a bf16 compute copy (`llamarl.
 
 LoRA (`config.lora.rank` > 0): adapters are injected into the model (`llamarl.exec.lora`), only they
 train, and `sync_tensors()` is only them: the generators hold the same base weights.
+
+Non-finite steps are refused (`llamarl.exec.train.nonfinite`): when the advantages, the loss or the
+global gradient norm (before clipping) hold a NaN or an inf on any trainer rank, every rank drops its
+gradients and leaves the weights, the optimizer state and the learning-rate schedule as they were.
+`policy_version` still advances (the controller counts steps by it; the skipped version's weights are
+the previous version's). The step's metrics say so: `skipped_nonfinite` is 1.0 (0.0 on an applied step)
+and, on a skipped step only, `nonfinite_cause` is a string naming the first offending tensor on this
+rank: "advantages", "loss", "grad of model.layers.3.mlp.down_proj.weight", or "... on another trainer
+rank" (`llamarl.exec.train.nonfinite.nonfinite_cause`); loss and grad_norm are then NaN or inf. The
+controller prints the cause and stops after a run of such steps.
 """
 
 from __future__ import annotations
@@ -37,6 +47,7 @@ from llamarl.exec.lora import adapter_tensors, merged_state_dict
 from llamarl.exec.models import resolve_dtype
 from llamarl.exec.train.lr_schedules import lr_factor
 from llamarl.exec.train.mixed_precision import ComputeCopy
+from llamarl.exec.train.nonfinite import Finiteness, nonfinite_cause
 from llamarl.exec.train.parallel import all_reduce_sum, full_tensor
 from llamarl.exec.train.policy_logprobs import PolicyLogprobs
 from llamarl.exec.train.policy_modules import ModuleSettings, load_policy_modules
@@ -57,7 +68,9 @@ class PolicyTrainer:
         compute_model: the module forward and backward run on: `model` itself, or its bf16 compute copy
             under mixed precision without FSDP2.
         ref_model: the frozen reference policy when `kl_coef` > 0, else None.
-        policy_version: number of optimizer steps taken; the weights in `model` are this version.
+        policy_version: number of `train_step` calls, skipped ones included (see `train_step`); the
+            weights in `model` are this version. The controller counts, logs, checkpoints and syncs
+            steps by it.
     """
 
     model: torch.nn.Module | None
@@ -179,35 +192,52 @@ class PolicyTrainer:
             raise RuntimeError("PolicyTrainer.sync_tensors called before setup()")
         return adapter_tensors(self.model) if self.config.lora.rank else self.model
 
-    def train_step(self, batch: RolloutBatch) -> dict[str, float]:
-        """One optimizer step on `batch`: micro-batched loss and backward, gradient clipping, AdamW.
+    def train_step(self, batch: RolloutBatch) -> dict[str, float | str]:
+        """One optimizer step on `batch`: micro-batched loss and backward, gradient clipping, AdamW; or,
+        for a non-finite step, none (see the module doc: `skipped_nonfinite`, `nonfinite_cause`).
 
         Returns:
-            Metrics of the whole batch (all trainer ranks): loss, grad_norm, lr, the loss's own metrics
-            (ratio_mean, ratio_max, truncated_fraction, mismatch_kl, ...; kl_<estimator> with a
-            reference), logprob_mean, reward_mean, advantage_abs_mean, num_valid_tokens, tokens_per_s
-            (the whole batch's tokens over this rank's step time), train_s, policy_version.
+            Metrics of the whole batch (all trainer ranks): loss, grad_norm (before clipping), lr, the
+            loss's own metrics (ratio_mean, ratio_max, truncated_fraction, mismatch_kl, ...;
+            kl_<estimator> with a reference), logprob_mean, reward_mean, advantage_abs_mean,
+            num_valid_tokens, tokens_per_s (the whole batch's tokens over this rank's step time),
+            train_s, policy_version, skipped_nonfinite (and nonfinite_cause on a skipped step).
         """
         if self.model is None or self.optimizer is None:
             raise RuntimeError("PolicyTrainer.train_step called before setup()")
         start = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
-        metrics = self.accumulate_gradients(batch)  # (into the float32 master gradients)
-        # With FSDP2 the gradients are DTensor shards: the norm is reduced over the group (the global
-        # norm), and every rank scales its shards by the same factor.
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
+        metrics, finiteness = self._accumulate(batch)  # (into the float32 master gradients)
+        grad_norm, cause = self._clip_unless_nonfinite(finiteness)
         lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        self.scheduler.step()
+        if cause is None:
+            self.optimizer.step()
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.policy_version += 1
         elapsed = time.perf_counter() - start
-        metrics["grad_norm"] = float(full_tensor(grad_norm))
+        metrics["grad_norm"] = grad_norm
         metrics["lr"] = lr
         metrics["train_s"] = elapsed
         metrics["tokens_per_s"] = metrics["num_valid_tokens"] / elapsed if elapsed > 0 else float("nan")
         metrics["policy_version"] = float(self.policy_version)
+        metrics["skipped_nonfinite"] = float(cause is not None)
+        if cause is not None:
+            metrics["nonfinite_cause"] = cause
         return metrics
+
+    def _clip_unless_nonfinite(self, finiteness: Finiteness) -> tuple[float, str | None]:
+        """Clips the gradients to `max_grad_norm` unless the step is refused; returns the global norm
+        before clipping and why the step is refused (None when it is applied)."""
+        params = list(self.model.parameters())
+        # With FSDP2 the gradients are DTensor shards: the norm is reduced over the group (the global
+        # norm, the same on every rank), and every rank scales its shards by the same factor.
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        grad_norm = float(full_tensor(norm))
+        cause = nonfinite_cause(finiteness, grad_norm, self.model.named_parameters())
+        if cause is None:
+            torch.nn.utils.clip_grads_with_norm_(params, self.config.max_grad_norm, norm)
+        return grad_norm, cause
 
     def accumulate_gradients(self, batch: RolloutBatch) -> dict[str, float]:
         """Adds the gradient of the full-batch loss to the parameters' `.grad`, one micro-batch at a time.
@@ -221,6 +251,10 @@ class PolicyTrainer:
             completion positions), reward_mean, advantage_abs_mean, num_valid_tokens: all of the whole
             batch (reduced over the trainer ranks).
         """
+        return self._accumulate(batch)[0]
+
+    def _accumulate(self, batch: RolloutBatch) -> tuple[dict[str, float], Finiteness]:
+        """`accumulate_gradients`, and whether the step's advantages and loss are finite."""
         if self.model is None:
             raise RuntimeError("PolicyTrainer.accumulate_gradients called before setup()")
         model = self._current_compute_model()
