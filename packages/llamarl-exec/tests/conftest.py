@@ -36,6 +36,27 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_rollout(tiny_model_dir):
+    """`tiny_rollout(prompts, seed=, temperature=1.0)`: the tiny model's rollout of `prompts`, 2 samples
+    each, at most 10 new tokens; token 50 ends a sample too, so completions end at uneven lengths."""
+    from llamarl.exec import HFGenerator, SamplingConfig
+
+    def rollout(prompts: list[list[int]], *, seed: int, temperature: float = 1.0):
+        gen = HFGenerator(
+            str(tiny_model_dir),
+            SamplingConfig(temperature=temperature),
+            seed=seed,
+            eos_token_ids=[TINY_EOS_TOKEN_ID, 50],
+        )
+        gen.setup()
+        batch = gen.generate(prompts, samples_per_prompt=2, max_new_tokens=10)
+        gen.close()
+        return batch
+
+    return rollout
+
+
+@pytest.fixture(scope="session")
 def shared_rows():
     """`shared_rows("gsm8k/test.jsonl", 5)`: the first rows of a file under the shared data folder."""
     return _read_jsonl

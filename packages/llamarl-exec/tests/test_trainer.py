@@ -5,25 +5,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llamarl.exec import HFGenerator, PolicyTrainer, SamplingConfig
-from llamarl.exec.testing import TINY_EOS_TOKEN_ID, build_trainer
+from llamarl.exec import PolicyTrainer
+from llamarl.exec.testing import build_trainer
 
 PROMPTS = [[1, 5, 9, 13, 17], [1, 7], [1, 3, 4, 30, 31, 32, 33, 8]]
 TEMPERATURE = 0.8
 
 
 @pytest.fixture(scope="module")
-def batch(tiny_model_dir):
+def batch(tiny_rollout):
     """A rollout of the tiny model (3 prompts x 2 samples) with rewards 1 for the first sample of each."""
-    gen = HFGenerator(
-        str(tiny_model_dir),
-        SamplingConfig(temperature=TEMPERATURE),
-        seed=6,  # (a seed whose completions end at uneven lengths)
-        eos_token_ids=[TINY_EOS_TOKEN_ID, 50],
-    )
-    gen.setup()
-    rollout = gen.generate(PROMPTS, samples_per_prompt=2, max_new_tokens=10)
-    gen.close()
+    rollout = tiny_rollout(
+        PROMPTS, seed=6, temperature=TEMPERATURE
+    )  # (a seed whose completions end unevenly)
     rollout.rewards_B = torch.tensor([1.0, 0.0] * len(PROMPTS))
     return rollout
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from llamarl.comm.testing import run_distributed
-from llamarl.exec import HFGenerator, PolicyTrainer, SamplingConfig
-from llamarl.exec.testing import TINY_EOS_TOKEN_ID, build_trainer
+from llamarl.exec import PolicyTrainer
+from llamarl.exec.testing import build_trainer
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -18,12 +18,9 @@ PROMPTS = [[1, 5, 9, 13, 17], [1, 7], [1, 3, 4, 30, 31, 32, 33, 8], [1, 11, 12]]
 
 
 @pytest.fixture(scope="module")
-def batch(tiny_model_dir):
+def batch(tiny_rollout):
     """4 prompts x 2 samples of the tiny model, uneven lengths, rewards 1 for the first of each pair."""
-    gen = HFGenerator(str(tiny_model_dir), SamplingConfig(), seed=5, eos_token_ids=[TINY_EOS_TOKEN_ID, 50])
-    gen.setup()
-    rollout = gen.generate(PROMPTS, samples_per_prompt=2, max_new_tokens=10)
-    gen.close()
+    rollout = tiny_rollout(PROMPTS, seed=5)
     rollout.rewards_B = torch.tensor([1.0, 0.0, 0.0, 1.0] * 2)
     return rollout
 

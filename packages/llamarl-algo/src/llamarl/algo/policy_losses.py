@@ -54,6 +54,17 @@ def _token_advantages(advantages: Tensor, mask_BT: Tensor) -> Tensor:
     return torch.where(mask_BT.bool(), advantages_BT, torch.zeros_like(advantages_BT))
 
 
+def _weighted_logprob_loss(
+    weight: Tensor | None, advantages: Tensor, logprobs_BT: Tensor, mask_BT: Tensor, num_valid_tokens: int
+) -> Tensor:
+    """-sum_{valid t} w_t * A_t * log pi(y_t) / num_valid_tokens: the importance-weighted policy gradient
+    of AIPO, CISPO and (with `weight` None, w = 1) plain REINFORCE. `weight` ([B, T] or [B, 1]) must
+    carry no gradient; `advantages` is [B] or [B, T]."""
+    advantages_BT = _token_advantages(advantages, mask_BT)
+    weighted_BT = advantages_BT if weight is None else weight * advantages_BT
+    return -token_sum_over(weighted_BT * logprobs_BT, mask_BT, num_valid_tokens)
+
+
 def k3_mismatch_kl(logprobs_BT: Tensor, behavior_logprobs_BT: Tensor, mask_BT: Tensor) -> Tensor:
     """k3 estimate of KL(mu || pi) from tokens sampled by mu, averaged over the valid tokens (detached).
 
@@ -104,8 +115,7 @@ def aipo_loss(
         raise ValueError(f"rho must be positive, got {rho}")
     ratio_BT = _log_ratio(logprobs_BT.detach(), behavior_logprobs_BT, mask_BT).exp()
     weight_BT = ratio_BT.clamp(max=rho)
-    advantages_BT = _token_advantages(advantages, mask_BT)
-    loss = -token_sum_over(weight_BT * advantages_BT * logprobs_BT, mask_BT, num_valid_tokens)
+    loss = _weighted_logprob_loss(weight_BT, advantages, logprobs_BT, mask_BT, num_valid_tokens)
     metrics = _ratio_metrics(ratio_BT, mask_BT, ratio_BT > rho)
     metrics["mismatch_kl"] = k3_mismatch_kl(logprobs_BT, behavior_logprobs_BT, mask_BT)
     return loss, metrics
@@ -143,8 +153,7 @@ def aipo_sequence_loss(
     if rho <= 0:
         raise ValueError(f"rho must be positive, got {rho}")
     weight_B = log_seq_ratio_B.clamp(max=math.log(rho)).exp()
-    advantages_BT = _token_advantages(advantages, mask_BT)
-    loss = -token_sum_over(weight_B[:, None] * advantages_BT * logprobs_BT, mask_BT, num_valid_tokens)
+    loss = _weighted_logprob_loss(weight_B[:, None], advantages, logprobs_BT, mask_BT, num_valid_tokens)
     has_tokens_B = mask_BT.bool().any(-1)
     seq_ratio_B = log_seq_ratio_B.clamp(max=LOG_RATIO_LIMIT).exp()
     metrics = _ratio_metrics(seq_ratio_B, has_tokens_B, log_seq_ratio_B > math.log(rho))
@@ -167,8 +176,7 @@ def policy_gradient_loss(
     loss (no importance correction) and only reported through mismatch_kl.
     """
     del num_sequences
-    advantages_BT = _token_advantages(advantages, mask_BT)
-    loss = -token_sum_over(advantages_BT * logprobs_BT, mask_BT, num_valid_tokens)
+    loss = _weighted_logprob_loss(None, advantages, logprobs_BT, mask_BT, num_valid_tokens)
     return loss, {"mismatch_kl": k3_mismatch_kl(logprobs_BT, behavior_logprobs_BT, mask_BT)}
 
 
@@ -220,13 +228,18 @@ def ppo_clip_loss(
 
     r_t = pi(y_t) / pi_old(y_t);  loss = -sum_{valid t} min(r_t A_t, clip(r_t, 1 - eps, 1 + eps) A_t)
     / num_valid_tokens. `behavior_logprobs_BT` are the old log-probs. Advantages are per sequence ([B])
-    or per token ([B, T]).
+    or per token ([B, T]). DAPO's loss with a symmetric clip range.
     """
-    del num_sequences
-    objective_BT, metrics = _token_clipped_terms(
-        logprobs_BT, behavior_logprobs_BT, advantages, mask_BT, clip_eps, clip_eps
+    return dapo_loss(
+        logprobs_BT,
+        behavior_logprobs_BT,
+        advantages,
+        mask_BT,
+        clip_low=clip_eps,
+        clip_high=clip_eps,
+        num_valid_tokens=num_valid_tokens,
+        num_sequences=num_sequences,
     )
-    return -token_sum_over(objective_BT, mask_BT, num_valid_tokens), metrics
 
 
 def grpo_loss(
@@ -375,9 +388,5 @@ def cispo_loss(
     del num_sequences
     ratio_BT = _log_ratio(logprobs_BT.detach(), behavior_logprobs_BT, mask_BT).exp()
     weight_BT = ratio_BT.clamp(1.0 - clip_low, 1.0 + clip_high)
-    advantages_BT = _token_advantages(advantages, mask_BT)
-    loss = -token_sum_over(weight_BT * advantages_BT * logprobs_BT, mask_BT, num_valid_tokens)
-    metrics = _ratio_metrics(ratio_BT, mask_BT, weight_BT != ratio_BT)
-    metrics["clipped_fraction"] = metrics.pop("truncated_fraction")
-    metrics["mismatch_kl"] = k3_mismatch_kl(logprobs_BT, behavior_logprobs_BT, mask_BT)
-    return loss, metrics
+    loss = _weighted_logprob_loss(weight_BT, advantages, logprobs_BT, mask_BT, num_valid_tokens)
+    return loss, _clip_metrics(ratio_BT, mask_BT, weight_BT != ratio_BT, logprobs_BT, behavior_logprobs_BT)

@@ -32,7 +32,7 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from llamarl.comm.layouts import DestLayout, SourceLayout, dtype_from_str
+from llamarl.comm.layouts import DestLayout, DestTensor, Piece, SourceLayout, dtype_from_str
 
 __all__ = [
     "ALIGN_BYTES",
@@ -287,6 +287,89 @@ def _split_cells(
     return cells
 
 
+def _entry(cell: _Cell, delta: Shape, sizes: Shape, wire: str, byte_offset: int, nbytes: int) -> Entry:
+    """The box of ``sizes`` at ``delta`` within ``cell``, placed at ``byte_offset`` of its bucket."""
+    return Entry(
+        src_name=cell.src_name,
+        src_offsets=tuple(a + b for a, b in zip(cell.src_offsets, delta, strict=True)),
+        sizes=sizes,
+        src_dtype=cell.src_dtype,
+        wire=wire,
+        dst_name=cell.dst_name,
+        dst_offsets=tuple(a + b for a, b in zip(cell.dst_offsets, delta, strict=True)),
+        byte_offset=byte_offset,
+        nbytes=nbytes,
+    )
+
+
+class _BucketPacker:
+    """Fills the buckets of one stream, a box at a time: direct buckets (one entry each) and packed
+    buckets (entries end to end, at most ``bucket_bytes`` of payload)."""
+
+    def __init__(self, bucket_bytes: int) -> None:
+        self.bucket_bytes = bucket_bytes
+        self.direct: list[tuple[tuple[Entry, ...], bool]] = []  # (entries, src_copy)
+        self.packed: list[tuple[Entry, ...]] = []
+        self.entries: list[Entry] = []  # the packed bucket being filled
+        self.used = 0  # its payload bytes so far
+
+    def close(self) -> None:
+        """Ends the packed bucket being filled (if it holds anything)."""
+        if self.entries:
+            self.packed.append(tuple(self.entries))
+        self.entries, self.used = [], 0
+
+    def add_direct(self, cell: _Cell, delta: Shape, sizes: Shape, wire: str) -> list[tuple[Shape, Shape]]:
+        """Puts the largest leading part of the box that fits ``bucket_bytes`` in a direct bucket of its
+        own (split so that streams still interleave); returns the rest, as ``(delta, sizes)`` boxes."""
+        cost = functools.partial(entry_nbytes, src_dtype=cell.src_dtype, wire=wire)
+        fit = _split_to_fit(delta, sizes, cost, self.bucket_bytes)
+        if fit is None:
+            raise PlanError(f"bucket_bytes={self.bucket_bytes} cannot hold one element of {cell.src_name}")
+        (h_delta, h_sizes), rest = fit
+        head = _entry(cell, h_delta, h_sizes, wire, 0, cost(h_sizes))
+        self.direct.append(((head,), not _src_contiguous(cell, h_sizes)))
+        return rest
+
+    def add_packed(self, cell: _Cell, delta: Shape, sizes: Shape, wire: str) -> list[tuple[Shape, Shape]]:
+        """Puts the largest leading part of the box that fits the space left in the packed bucket
+        being filled; returns the rest (the whole box again when nothing fitted: it goes to the next
+        bucket)."""
+        cost = functools.partial(entry_nbytes, src_dtype=cell.src_dtype, wire=wire)
+        fit = _split_to_fit(delta, sizes, cost, self.bucket_bytes - self.used)
+        if fit is None:
+            if not self.entries:
+                raise PlanError(
+                    f"bucket_bytes={self.bucket_bytes} cannot hold one element of {cell.src_name}"
+                )
+            self.close()
+            return [(delta, sizes)]
+        (h_delta, h_sizes), rest = fit
+        nbytes = cost(h_sizes)
+        self.entries.append(_entry(cell, h_delta, h_sizes, wire, self.used, nbytes))
+        self.used += nbytes
+        if rest:
+            self.close()  # the remainder did not fit: this bucket is full
+        return rest
+
+    def buckets(self) -> tuple[Bucket, ...]:
+        """The stream's buckets, indexed in sending order: direct ones first, then the packed ones."""
+        self.close()
+        # Direct buckets sent from the source's memory come first, so a source posts them all at once
+        # and packs the rest while they travel: messages between two ranks go in bucket order (NCCL
+        # matches them in the order they are posted), so a later one cannot overtake an earlier one.
+        self.direct.sort(key=lambda d: d[1])  # stable: cell order within each kind
+        buckets = [
+            Bucket(index=i, entries=es, payload_bytes=sum(e.nbytes for e in es), direct=True, src_copy=copy)
+            for i, (es, copy) in enumerate(self.direct)
+        ]
+        buckets += [
+            Bucket(index=len(buckets) + i, entries=es, payload_bytes=sum(e.nbytes for e in es))
+            for i, es in enumerate(self.packed)
+        ]
+        return tuple(buckets)
+
+
 def _bucketize(
     cells: list[_Cell], wire_dtype: str | None, bucket_bytes: int, direct_min_bytes: int
 ) -> tuple[Bucket, ...]:
@@ -295,77 +378,16 @@ def _bucketize(
     Large cells contiguous at the destination become direct buckets (one entry each, split at
     ``bucket_bytes`` so streams still interleave); the others share packed buckets.
     """
-    direct: list[tuple[tuple[Entry, ...], bool]] = []  # (entries, src_copy)
-    packed: list[tuple[Entry, ...]] = []
-    entries: list[Entry] = []
-    used = 0
-
-    def close() -> None:
-        nonlocal entries, used
-        if entries:
-            packed.append(tuple(entries))
-        entries, used = [], 0
-
-    def entry(cell: _Cell, delta: Shape, sizes: Shape, wire: str, byte_offset: int, nbytes: int) -> Entry:
-        return Entry(
-            src_name=cell.src_name,
-            src_offsets=tuple(a + b for a, b in zip(cell.src_offsets, delta, strict=True)),
-            sizes=sizes,
-            src_dtype=cell.src_dtype,
-            wire=wire,
-            dst_name=cell.dst_name,
-            dst_offsets=tuple(a + b for a, b in zip(cell.dst_offsets, delta, strict=True)),
-            byte_offset=byte_offset,
-            nbytes=nbytes,
-        )
-
-    # Work items: (cell, delta offsets within the cell, sizes)
-    todo: list[tuple[_Cell, Shape, Shape]] = [(c, (0,) * len(c.sizes), c.sizes) for c in cells]
-    todo.reverse()  # used as a stack
+    packer = _BucketPacker(bucket_bytes)
+    # Work items, used as a stack: (cell, delta offsets within the cell, sizes)
+    todo: list[tuple[_Cell, Shape, Shape]] = [(c, (0,) * len(c.sizes), c.sizes) for c in reversed(cells)]
     while todo:
         cell, delta, sizes = todo.pop()
         wire = wire_kind(cell.src_dtype, len(cell.sizes), wire_dtype)
-
-        def cost(sz: Shape, _cell: _Cell = cell, _wire: str = wire) -> int:
-            return entry_nbytes(sz, _cell.src_dtype, _wire)
-
-        if _is_direct(cell, wire, direct_min_bytes):
-            fit = _split_to_fit(delta, sizes, cost, bucket_bytes)
-            if fit is None:
-                raise PlanError(f"bucket_bytes={bucket_bytes} cannot hold one element of {cell.src_name}")
-            (h_delta, h_sizes), rest = fit
-            head = entry(cell, h_delta, h_sizes, wire, 0, cost(h_sizes))
-            direct.append(((head,), not _src_contiguous(cell, h_sizes)))
-            todo.extend((cell, d, s) for d, s in reversed(rest))
-            continue
-        fit = _split_to_fit(delta, sizes, cost, bucket_bytes - used)
-        if fit is None:
-            if not entries:
-                raise PlanError(f"bucket_bytes={bucket_bytes} cannot hold one element of {cell.src_name}")
-            close()
-            todo.append((cell, delta, sizes))
-            continue
-        (h_delta, h_sizes), rest = fit
-        nbytes = cost(h_sizes)
-        entries.append(entry(cell, h_delta, h_sizes, wire, used, nbytes))
-        used += nbytes
-        if rest:
-            close()  # the remainder did not fit: this bucket is full
-            todo.extend((cell, d, s) for d, s in reversed(rest))
-    close()
-    # Direct buckets sent from the source's memory come first, so a source posts them all at once and
-    # packs the rest while they travel: messages between two ranks go in bucket order (NCCL matches
-    # them in the order they are posted), so a later one cannot overtake an earlier one.
-    direct.sort(key=lambda d: d[1])  # stable: cell order within each kind
-    buckets = [
-        Bucket(index=i, entries=es, payload_bytes=sum(e.nbytes for e in es), direct=True, src_copy=copy)
-        for i, (es, copy) in enumerate(direct)
-    ]
-    buckets += [
-        Bucket(index=len(buckets) + i, entries=es, payload_bytes=sum(e.nbytes for e in es))
-        for i, es in enumerate(packed)
-    ]
-    return tuple(buckets)
+        add = packer.add_direct if _is_direct(cell, wire, direct_min_bytes) else packer.add_packed
+        rest = add(cell, delta, sizes, wire)
+        todo.extend((cell, d, s) for d, s in reversed(rest))
+    return packer.buckets()
 
 
 def _split_to_fit(
@@ -405,6 +427,108 @@ def _split_to_fit(
     return head, [*sub_rest, after]
 
 
+@dataclass
+class _SourceIndex:
+    """What the planner knows of the source ranks, and the work it gave each so far."""
+
+    meta: dict[str, tuple[Shape, str]]  # parameter name -> (full shape, dtype)
+    wire_dtype: str | None
+    holders: dict[str, list[tuple[int, Shape, Shape]]]  # name -> (rank, box offsets, box sizes)
+    contiguous: dict[tuple[int, str], bool]  # (rank, name) -> whether its local tensor is contiguous
+    load: dict[int, int]  # rank -> bytes it sends so far
+    used_names: set[str] = field(default_factory=set)  # parameters some destination wants
+
+    @classmethod
+    def build(cls, sources: Mapping[int, SourceLayout]) -> _SourceIndex:
+        """Checks that the sources agree (`_check_sources`) and indexes who holds which box."""
+        meta, wire_dtype = _check_sources(sources)
+        holders: dict[str, list[tuple[int, Shape, Shape]]] = {}
+        contiguous: dict[tuple[int, str], bool] = {}
+        for rank, layout in sorted(sources.items()):
+            for t in layout.tensors.values():
+                if math.prod(t.sizes) > 0:
+                    holders.setdefault(t.name, []).append((rank, t.offsets, t.sizes))
+                    contiguous[(rank, t.name)] = t.contiguous
+        return cls(meta, wire_dtype, holders, contiguous, load=dict.fromkeys(sources, 0))
+
+    def check_piece(self, dest_rank: int, t: DestTensor, p: Piece) -> str:
+        """Raises ``PlanError`` unless the sources hold what piece ``p`` of ``t`` asks for, in a dtype
+        that can reach ``t``'s; returns the source dtype."""
+        if p.src_name not in self.meta:
+            raise PlanError(
+                f"destination rank {dest_rank}: tensor {t.name!r} needs {p.src_name!r}, which no "
+                f"source rank holds (source names: {sorted(self.meta)[:8]}...)"
+            )
+        full_shape, src_dtype = self.meta[p.src_name]
+        if not _box_contains((0,) * len(full_shape), full_shape, p.src_offsets, p.sizes):
+            raise PlanError(
+                f"destination rank {dest_rank}: {t.name!r} wants "
+                f"{p.src_name}[{p.src_offsets}+{p.sizes}], outside its shape {full_shape} "
+                "on the source"
+            )
+        if not _box_contains((0,) * len(t.shape), t.shape, p.dst_offsets, p.sizes):
+            raise PlanError(f"destination rank {dest_rank}: piece {p} falls outside {t.name} {t.shape}")
+        if t.dtype != src_dtype and (
+            self.wire_dtype is None
+            or not dtype_from_str(t.dtype).is_floating_point
+            or not dtype_from_str(src_dtype).is_floating_point
+        ):
+            raise PlanError(
+                f"dtype mismatch for {t.name!r} on destination rank {dest_rank}: "
+                f"source {p.src_name} is {src_dtype}, destination is {t.dtype} "
+                "(set the sender's wire_dtype to cast floats)"
+            )
+        return src_dtype
+
+    def cells(self, t: DestTensor, p: Piece, src_dtype: str) -> list[tuple[int, _Cell]]:
+        """The cells of piece ``p`` of ``t``, each with the source rank that sends it: of those that
+        hold it whole, the least loaded so far (whose load then grows by its bytes)."""
+        holders = self.holders.get(p.src_name, [])
+        holder_box = {r: (h_off, h_sz) for r, h_off, h_sz in holders}
+        out = []
+        for off, sz, owners in _split_cells(p.src_offsets, p.sizes, holders):
+            if not owners:
+                raise PlanError(f"{p.src_name}[{off}+{sz}] (for {t.name}) is held whole by no source rank")
+            src = min(owners, key=lambda r: (self.load[r], r))
+            self.load[src] += math.prod(sz) * dtype_from_str(src_dtype).itemsize
+            dst_off = tuple(d + (o - s) for d, o, s in zip(p.dst_offsets, off, p.src_offsets, strict=True))
+            cell = _Cell(
+                p.src_name,
+                off,
+                sz,
+                src_dtype,
+                t.name,
+                dst_off,
+                src_local_offsets=holder_box[src][0],
+                src_local_sizes=holder_box[src][1],
+                src_local_contiguous=self.contiguous[(src, p.src_name)],
+                dst_shape=t.shape,
+                dst_dtype=t.dtype,
+            )
+            out.append((src, cell))
+        return out
+
+
+def _class_cells(index: _SourceIndex, dest_rank: int, layout: DestLayout) -> dict[int, list[_Cell]]:
+    """Every cell a replica class needs (``layout`` is its members', ``dest_rank`` the first of them),
+    grouped by the source rank that sends it, in the order of the layout's tensors and pieces."""
+    cells_by_src: dict[int, list[_Cell]] = {}
+    for t in layout.tensors.values():
+        covered = 0
+        for p in t.pieces:
+            src_dtype = index.check_piece(dest_rank, t, p)
+            index.used_names.add(p.src_name)
+            covered += math.prod(p.sizes)
+            for src, cell in index.cells(t, p, src_dtype):
+                cells_by_src.setdefault(src, []).append(cell)
+        if covered != math.prod(t.shape):
+            raise PlanError(
+                f"destination rank {dest_rank}: the pieces of {t.name!r} cover {covered} of "
+                f"{math.prod(t.shape)} elements"
+            )
+    return cells_by_src
+
+
 def make_plan(
     sources: Mapping[int, SourceLayout],
     dests: Mapping[int, DestLayout],
@@ -427,109 +551,30 @@ def make_plan(
         raise PlanError("no source rank in the group")
     if set(sources) & set(dests):
         raise PlanError(f"ranks {sorted(set(sources) & set(dests))} are both source and destination")
-    meta, wire_dtype = _check_sources(sources)
-    contiguous: dict[tuple[int, str], bool] = {}  # (source rank, name) -> local tensor contiguous
-    holders_by_name: dict[str, list[tuple[int, Shape, Shape]]] = {}
-    for rank, layout in sorted(sources.items()):
-        for t in layout.tensors.values():
-            if math.prod(t.sizes) > 0:
-                holders_by_name.setdefault(t.name, []).append((rank, t.offsets, t.sizes))
-                contiguous[(rank, t.name)] = t.contiguous
-
+    index = _SourceIndex.build(sources)
     # 1. Replica classes: destination ranks with identical layouts.
     classes: dict[str, list[int]] = {}
     for rank, layout in sorted(dests.items()):
         classes.setdefault(json.dumps(layout.to_json(), sort_keys=True), []).append(rank)
-
-    load = dict.fromkeys(sources, 0)
-    used_names: set[str] = set()
     streams: list[Stream] = []
     for members in classes.values():
-        layout = dests[members[0]]
-        cells_by_src: dict[int, list[_Cell]] = {}
-        for t in layout.tensors.values():
-            covered = 0
-            for p in t.pieces:
-                if p.src_name not in meta:
-                    raise PlanError(
-                        f"destination rank {members[0]}: tensor {t.name!r} needs {p.src_name!r}, which no "
-                        f"source rank holds (source names: {sorted(meta)[:8]}...)"
-                    )
-                full_shape, src_dtype = meta[p.src_name]
-                if not _box_contains((0,) * len(full_shape), full_shape, p.src_offsets, p.sizes):
-                    raise PlanError(
-                        f"destination rank {members[0]}: {t.name!r} wants "
-                        f"{p.src_name}[{p.src_offsets}+{p.sizes}], outside its shape {full_shape} "
-                        "on the source"
-                    )
-                if not _box_contains((0,) * len(t.shape), t.shape, p.dst_offsets, p.sizes):
-                    raise PlanError(
-                        f"destination rank {members[0]}: piece {p} falls outside {t.name} {t.shape}"
-                    )
-                if t.dtype != src_dtype and (
-                    wire_dtype is None
-                    or not dtype_from_str(t.dtype).is_floating_point
-                    or not dtype_from_str(src_dtype).is_floating_point
-                ):
-                    raise PlanError(
-                        f"dtype mismatch for {t.name!r} on destination rank {members[0]}: "
-                        f"source {p.src_name} is {src_dtype}, destination is {t.dtype} "
-                        "(set the sender's wire_dtype to cast floats)"
-                    )
-                used_names.add(p.src_name)
-                covered += math.prod(p.sizes)
-                for off, sz, owners in _split_cells(
-                    p.src_offsets, p.sizes, holders_by_name.get(p.src_name, [])
-                ):
-                    if not owners:
-                        raise PlanError(
-                            f"{p.src_name}[{off}+{sz}] (for {t.name}) is held whole by no source rank"
-                        )
-                    src = min(owners, key=lambda r: (load[r], r))
-                    holder_box = {r: (h_off, h_sz) for r, h_off, h_sz in holders_by_name[p.src_name]}
-                    load[src] += math.prod(sz) * dtype_from_str(src_dtype).itemsize
-                    dst_off = tuple(
-                        d + (o - s) for d, o, s in zip(p.dst_offsets, off, p.src_offsets, strict=True)
-                    )
-                    cells_by_src.setdefault(src, []).append(
-                        _Cell(
-                            p.src_name,
-                            off,
-                            sz,
-                            src_dtype,
-                            t.name,
-                            dst_off,
-                            src_local_offsets=holder_box[src][0],
-                            src_local_sizes=holder_box[src][1],
-                            src_local_contiguous=contiguous[(src, p.src_name)],
-                            dst_shape=t.shape,
-                            dst_dtype=t.dtype,
-                        )
-                    )
-            if covered != math.prod(t.shape):
-                raise PlanError(
-                    f"destination rank {members[0]}: the pieces of {t.name!r} cover {covered} of "
-                    f"{math.prod(t.shape)} elements"
-                )
-        for src, cells in sorted(cells_by_src.items()):
+        for src, cells in sorted(_class_cells(index, members[0], dests[members[0]]).items()):
             # Rotate chains so the forwarding work of a class is spread over its members.
             k = len(streams) % len(members)
             chain = tuple(members[k:] + members[:k])
-            buckets = _bucketize(cells, wire_dtype, bucket_bytes, direct_min_bytes)
+            buckets = _bucketize(cells, index.wire_dtype, bucket_bytes, direct_min_bytes)
             if len(buckets) > MAX_BUCKETS_PER_STREAM:
                 raise PlanError(
                     f"{len(buckets)} buckets from source rank {src} to ranks {chain}: at most "
                     f"{MAX_BUCKETS_PER_STREAM} per stream (raise bucket_bytes or direct_min_bytes)"
                 )
             streams.append(Stream(stream_id=len(streams), src=src, chain=chain, buckets=buckets))
-
-    if strict:
-        unused = sorted(set(meta) - used_names)
-        if unused:
-            raise PlanError(
-                f"source parameters no destination wants: {unused[:8]}{'...' if len(unused) > 8 else ''} "
-                "(a name mismatch? pass strict=False to allow)"
-            )
+    unused = sorted(set(index.meta) - index.used_names)
+    if strict and unused:
+        raise PlanError(
+            f"source parameters no destination wants: {unused[:8]}{'...' if len(unused) > 8 else ''} "
+            "(a name mismatch? pass strict=False to allow)"
+        )
     return TransferPlan(
         streams=streams,
         source_ranks=tuple(sorted(sources)),

@@ -187,7 +187,6 @@ class DistributedPool:
         fn_ref = (fn.__module__, getattr(module, "__file__", None), fn.__qualname__)
         self._next_call += 1
         call_id = self._next_call
-        values: dict[int, Any] = {}
         with tempfile.TemporaryDirectory(prefix="llamarl-dist-") as tmpdir:
             rendezvous = Rendezvous(
                 host=self.host,
@@ -198,56 +197,15 @@ class DistributedPool:
             workers = [self._worker(rank) for rank in range(world_size)]
             for rank, (_, tasks, _) in enumerate(workers):
                 tasks.put((call_id, fn_ref, rank, world_size, rendezvous, args))
-            deadline = time.monotonic() + timeout_s
-            failures: dict[int, str] = {}  # rank -> why it failed
-            dead_since: dict[int, float] = {}
-            grace_until: float | None = None  # after a first failure: how long to wait for the others
-            while len(values) + len(failures) < world_size:
-                if grace_until is not None and time.monotonic() > grace_until:
-                    break
-                progressed = False
-                for rank, (proc, _, results) in enumerate(workers):
-                    if rank in values or rank in failures:
-                        continue
-                    try:
-                        got_call, got_rank, status, payload = results.get_nowait()
-                    except queue.Empty:
-                        if not proc.is_alive():
-                            # Give a report still in the pipe a moment before calling it a death.
-                            first = dead_since.setdefault(rank, time.monotonic())
-                            if time.monotonic() - first > 0.5:
-                                if rank in may_die:
-                                    values[rank] = None
-                                else:
-                                    failures[rank] = (
-                                        f"rank {rank} exited with code {proc.exitcode} without a traceback"
-                                    )
-                        continue
-                    progressed = True
-                    if got_call != call_id:
-                        continue  # a stale report from a call that was abandoned
-                    if status == "ok":
-                        values[got_rank] = pickle.loads(payload)
-                    else:
-                        failures[got_rank] = f"rank {got_rank} failed:\n{payload}"
-                if failures and grace_until is None:
-                    # A rank that fails often makes its peers fail too (a reset connection): wait a
-                    # moment for their reports, so the root cause is shown, not only its echo.
-                    grace_until = time.monotonic() + FAILURE_GRACE_S
-                if not failures and time.monotonic() > deadline:
-                    pending = [r for r in range(world_size) if r not in values]
-                    failures[-1] = f"timed out after {timeout_s:.0f}s; ranks still running: {pending}"
-                    break
-                if not progressed:
-                    time.sleep(0.02)
-            failure = "\n".join(failures[r] for r in sorted(failures)) if failures else None
+            reports = _Reports(workers, call_id, may_die)
+            failure = reports.wait(timeout_s)
             for rank in range(world_size):
                 # Failed runs may leave ranks blocked on dead peers; dead ranks need replacing.
                 if failure is not None or not workers[rank][0].is_alive():
                     self._kill(rank)
         if failure is not None:
             raise DistributedTestError(failure)
-        return [values[r] for r in range(world_size)]
+        return [reports.values[r] for r in range(world_size)]
 
     def close(self) -> None:
         """Stop every worker."""
@@ -260,6 +218,71 @@ class DistributedPool:
                     pass
                 self._kill(rank)
         self._workers.clear()
+
+
+class _Reports:
+    """What the ranks of one ``DistributedPool.run`` call reported: values, failures, silent deaths."""
+
+    def __init__(self, workers: list[tuple[Any, Any, Any]], call_id: int, may_die: tuple[int, ...]) -> None:
+        self.workers = workers  # (process, tasks, results) per rank
+        self.call_id = call_id
+        self.may_die = may_die
+        self.values: dict[int, Any] = {}
+        self.failures: dict[int, str] = {}  # rank -> why it failed
+        self.dead_since: dict[int, float] = {}
+
+    def wait(self, timeout_s: float) -> str | None:
+        """Polls until every rank reported, or one failed (then waits ``FAILURE_GRACE_S`` more for the
+        others' reports), or ``timeout_s`` passed; returns the failures' text, None when all succeeded."""
+        deadline = time.monotonic() + timeout_s
+        grace_until: float | None = None  # after a first failure: how long to wait for the others
+        while len(self.values) + len(self.failures) < len(self.workers):
+            if grace_until is not None and time.monotonic() > grace_until:
+                break
+            progressed = self.poll()
+            if self.failures and grace_until is None:
+                # A rank that fails often makes its peers fail too (a reset connection): wait a
+                # moment for their reports, so the root cause is shown, not only its echo.
+                grace_until = time.monotonic() + FAILURE_GRACE_S
+            if not self.failures and time.monotonic() > deadline:
+                pending = [r for r in range(len(self.workers)) if r not in self.values]
+                self.failures[-1] = f"timed out after {timeout_s:.0f}s; ranks still running: {pending}"
+                break
+            if not progressed:
+                time.sleep(0.02)
+        return "\n".join(self.failures[r] for r in sorted(self.failures)) if self.failures else None
+
+    def poll(self) -> bool:
+        """Reads at most one report from each rank still running; whether any came."""
+        progressed = False
+        for rank in range(len(self.workers)):
+            if rank not in self.values and rank not in self.failures:
+                progressed = self._poll_rank(rank) or progressed
+        return progressed
+
+    def _poll_rank(self, rank: int) -> bool:
+        proc, _, results = self.workers[rank]
+        try:
+            got_call, got_rank, status, payload = results.get_nowait()
+        except queue.Empty:
+            if not proc.is_alive():
+                # Give a report still in the pipe a moment before calling it a death.
+                first = self.dead_since.setdefault(rank, time.monotonic())
+                if time.monotonic() - first > 0.5:
+                    if rank in self.may_die:
+                        self.values[rank] = None
+                    else:
+                        self.failures[rank] = (
+                            f"rank {rank} exited with code {proc.exitcode} without a traceback"
+                        )
+            return False
+        if got_call != self.call_id:
+            return True  # a stale report from a call that was abandoned
+        if status == "ok":
+            self.values[got_rank] = pickle.loads(payload)
+        else:
+            self.failures[got_rank] = f"rank {got_rank} failed:\n{payload}"
+        return True
 
 
 _POOL: DistributedPool | None = None

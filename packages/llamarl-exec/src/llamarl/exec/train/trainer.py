@@ -18,11 +18,20 @@ mixed-precision policy, on one rank without it by a bf16 compute copy (`llamarl.
 
 LoRA (`config.lora.rank` > 0): adapters are injected into the model (`llamarl.exec.lora`), only they
 train, and `sync_tensors()` is only them: the generators hold the same base weights.
+
+Non-finite steps are refused (`llamarl.exec.train.nonfinite`): when the advantages, the loss or the
+global gradient norm (before clipping) hold a NaN or an inf on any trainer rank, every rank drops its
+gradients and leaves the weights, the optimizer state and the learning-rate schedule as they were.
+`policy_version` still advances (the controller counts steps by it; the skipped version's weights are
+the previous version's). The step's metrics say so: `skipped_nonfinite` is 1.0 (0.0 on an applied step)
+and, on a skipped step only, `nonfinite_cause` is a string naming the first offending tensor on this
+rank: "advantages", "loss", "grad of model.layers.3.mlp.down_proj.weight", or "... on another trainer
+rank" (`llamarl.exec.train.nonfinite.nonfinite_cause`); loss and grad_norm are then NaN or inf. The
+controller prints the cause and stops after a run of such steps.
 """
 
 from __future__ import annotations
 
-import math
 import time
 
 import torch
@@ -34,19 +43,16 @@ from llamarl.algo import (
     kl_penalty_loss,
 )
 from llamarl.exec.config import AlgorithmConfig, TrainerConfig
-from llamarl.exec.lora import adapter_tensors, add_lora, merged_state_dict
-from llamarl.exec.models import load_model_and_tokenizer, resolve_dtype
-from llamarl.exec.train import varlen_attention
-from llamarl.exec.train.compiled_modules import compile_modules, wants_compile
+from llamarl.exec.lora import adapter_tensors, merged_state_dict
+from llamarl.exec.models import resolve_dtype
 from llamarl.exec.train.lr_schedules import lr_factor
 from llamarl.exec.train.mixed_precision import ComputeCopy
-from llamarl.exec.train.parallel import all_reduce_max, all_reduce_sum, full_tensor, shard_model
+from llamarl.exec.train.nonfinite import Finiteness, nonfinite_cause
+from llamarl.exec.train.parallel import all_reduce_sum, full_tensor
 from llamarl.exec.train.policy_logprobs import PolicyLogprobs
+from llamarl.exec.train.policy_modules import ModuleSettings, load_policy_modules
+from llamarl.exec.train.step_metrics import StepTotals
 from llamarl.exec.types import RolloutBatch
-
-# Loss metrics named `*_max` are maxima over the batch (llamarl.algo's convention); every other metric
-# is averaged over micro-batches weighted by their valid tokens.
-_MAX_SUFFIX = "_max"
 
 
 class PolicyTrainer:
@@ -62,8 +68,17 @@ class PolicyTrainer:
         compute_model: the module forward and backward run on: `model` itself, or its bf16 compute copy
             under mixed precision without FSDP2.
         ref_model: the frozen reference policy when `kl_coef` > 0, else None.
-        policy_version: number of optimizer steps taken; the weights in `model` are this version.
+        policy_version: number of `train_step` calls, skipped ones included (see `train_step`); the
+            weights in `model` are this version. The controller counts, logs, checkpoints and syncs
+            steps by it.
     """
+
+    model: torch.nn.Module | None
+    compute_model: torch.nn.Module | None
+    ref_model: torch.nn.Module | None
+    _compute_copy: ComputeCopy | None
+    optimizer: torch.optim.Optimizer | None
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None
 
     def __init__(
         self,
@@ -98,12 +113,7 @@ class PolicyTrainer:
         self.seed = seed
         self.group = group
         self.policy_version = 0
-        self.model = None
-        self.compute_model = None
-        self.ref_model = None
-        self._compute_copy: ComputeCopy | None = None
-        self.optimizer: torch.optim.Optimizer | None = None
-        self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+        self.close()  # nothing loaded before setup()
         self.loss_fn = get_policy_loss(
             algorithm.loss,
             mismatch_is=algorithm.mismatch_is,
@@ -118,40 +128,10 @@ class PolicyTrainer:
         cfg = self.config
         if self.seed is not None:
             torch.manual_seed(self.seed)
-        # float32 parameters: the master weights (and so the optimizer state); FSDP2 or a compute copy
-        # casts them for compute.
-        model, _ = load_model_and_tokenizer(
-            self.model_name, dtype=torch.float32, device=self.device, with_tokenizer=False
-        )
-        if cfg.lora.rank:
-            add_lora(model, cfg.lora)
-        if cfg.activation_checkpointing and not self.is_sharded:  # (under FSDP2: see shard_model)
-            _enable_activation_checkpointing(model)
-        model.config.use_cache = False  # no KV cache in training forward passes
-        self._use_varlen_attention(model)
-        model.train()
-        self.model = self._wrap_model(model)
-        self.compute_model = self.model
-        if self.mixed_precision and not self.is_sharded:
-            self._compute_copy = ComputeCopy(self.model, self.compute_dtype)
-            self.compute_model = self._compute_copy.module
-        if wants_compile(cfg.compile, self.compute_model, self.device, sharded=self.is_sharded):
-            compile_modules(self.compute_model, required=cfg.compile == "on")
-        if self.algorithm.kl_coef > 0:
-            # Never trained: without FSDP2 it is loaded in the compute dtype straight away.
-            ref, _ = load_model_and_tokenizer(
-                self.model_name,
-                dtype=torch.float32 if self.is_sharded else self.compute_dtype,
-                device=self.device,
-                with_tokenizer=False,
-            )
-            ref.requires_grad_(False)
-            ref.config.use_cache = False
-            self._use_varlen_attention(ref)
-            ref.eval()
-            # Sharded like the policy; it never trains and is never synced, so its root reshards
-            # after every forward instead of holding its weights gathered for a backward pass.
-            self.ref_model = self._wrap_model(ref, frozen=True)
+        settings = ModuleSettings(self.model_name, cfg, self.device, self.compute_dtype, self.group)
+        modules = load_policy_modules(settings, with_reference=self.algorithm.kl_coef > 0)
+        self.model, self.compute_model = modules.model, modules.compute_model
+        self._compute_copy, self.ref_model = modules.compute_copy, modules.ref_model
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
             lr=cfg.lr,
@@ -167,14 +147,6 @@ class PolicyTrainer:
             ),
         )
 
-    def _use_varlen_attention(self, model: torch.nn.Module) -> None:
-        """Packed rows: attention per packed sequence (`llamarl.exec.train.varlen_attention`), never a dense
-        block-diagonal [T, T] mask, which on the CPU is quadratic in the packed length and sends SDPA to
-        its slow masked path. Set before FSDP2 wraps the model (the setting lives in its config)."""
-        if self.config.pack_tokens:
-            varlen_attention.register()
-            model.set_attn_implementation(varlen_attention.VARLEN_ATTENTION)
-
     def close(self) -> None:
         """Drops the models and optimizer state."""
         self.model = None
@@ -188,26 +160,6 @@ class PolicyTrainer:
     def is_sharded(self) -> bool:
         """Whether the model is under FSDP2 (a trainer group was given)."""
         return self.group is not None
-
-    @property
-    def mixed_precision(self) -> bool:
-        """Whether forward and backward run in a lower precision than the float32 master weights."""
-        return self.compute_dtype != torch.float32
-
-    def _wrap_model(self, model: torch.nn.Module, *, frozen: bool = False) -> torch.nn.Module:
-        """FSDP2 over the trainer group when there is one (any size, so mixed precision works on one
-        rank too); the plain module otherwise. `frozen`: a model that is never trained (the reference)."""
-        if self.group is None:
-            return model
-        return shard_model(
-            model,
-            self.group,
-            device=torch.device(self.device),
-            param_dtype=self.compute_dtype if self.mixed_precision else None,
-            # A frozen model runs no backward: its root need not stay gathered, nothing to recompute.
-            reshard_root_after_forward=frozen,
-            activation_checkpointing=self.config.activation_checkpointing and not frozen,
-        )
 
     def _global_counts(self, num_valid_tokens: int, num_sequences: int) -> tuple[int, int]:
         """The token and sequence counts of the whole batch (summed over the trainer ranks)."""
@@ -240,35 +192,52 @@ class PolicyTrainer:
             raise RuntimeError("PolicyTrainer.sync_tensors called before setup()")
         return adapter_tensors(self.model) if self.config.lora.rank else self.model
 
-    def train_step(self, batch: RolloutBatch) -> dict[str, float]:
-        """One optimizer step on `batch`: micro-batched loss and backward, gradient clipping, AdamW.
+    def train_step(self, batch: RolloutBatch) -> dict[str, float | str]:
+        """One optimizer step on `batch`: micro-batched loss and backward, gradient clipping, AdamW; or,
+        for a non-finite step, none (see the module doc: `skipped_nonfinite`, `nonfinite_cause`).
 
         Returns:
-            Metrics of the whole batch (all trainer ranks): loss, grad_norm, lr, the loss's own metrics
-            (ratio_mean, ratio_max, truncated_fraction, mismatch_kl, ...; kl_<estimator> with a
-            reference), logprob_mean, reward_mean, advantage_abs_mean, num_valid_tokens, tokens_per_s
-            (the whole batch's tokens over this rank's step time), train_s, policy_version.
+            Metrics of the whole batch (all trainer ranks): loss, grad_norm (before clipping), lr, the
+            loss's own metrics (ratio_mean, ratio_max, truncated_fraction, mismatch_kl, ...;
+            kl_<estimator> with a reference), logprob_mean, reward_mean, advantage_abs_mean,
+            num_valid_tokens, tokens_per_s (the whole batch's tokens over this rank's step time),
+            train_s, policy_version, skipped_nonfinite (and nonfinite_cause on a skipped step).
         """
         if self.model is None or self.optimizer is None:
             raise RuntimeError("PolicyTrainer.train_step called before setup()")
         start = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
-        metrics = self.accumulate_gradients(batch)  # (into the float32 master gradients)
-        # With FSDP2 the gradients are DTensor shards: the norm is reduced over the group (the global
-        # norm), and every rank scales its shards by the same factor.
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
+        metrics, finiteness = self._accumulate(batch)  # (into the float32 master gradients)
+        grad_norm, cause = self._clip_unless_nonfinite(finiteness)
         lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        self.scheduler.step()
+        if cause is None:
+            self.optimizer.step()
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.policy_version += 1
         elapsed = time.perf_counter() - start
-        metrics["grad_norm"] = float(full_tensor(grad_norm))
+        metrics["grad_norm"] = grad_norm
         metrics["lr"] = lr
         metrics["train_s"] = elapsed
         metrics["tokens_per_s"] = metrics["num_valid_tokens"] / elapsed if elapsed > 0 else float("nan")
         metrics["policy_version"] = float(self.policy_version)
+        metrics["skipped_nonfinite"] = float(cause is not None)
+        if cause is not None:
+            metrics["nonfinite_cause"] = cause
         return metrics
+
+    def _clip_unless_nonfinite(self, finiteness: Finiteness) -> tuple[float, str | None]:
+        """Clips the gradients to `max_grad_norm` unless the step is refused; returns the global norm
+        before clipping and why the step is refused (None when it is applied)."""
+        params = list(self.model.parameters())
+        # With FSDP2 the gradients are DTensor shards: the norm is reduced over the group (the global
+        # norm, the same on every rank), and every rank scales its shards by the same factor.
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        grad_norm = float(full_tensor(norm))
+        cause = nonfinite_cause(finiteness, grad_norm, self.model.named_parameters())
+        if cause is None:
+            torch.nn.utils.clip_grads_with_norm_(params, self.config.max_grad_norm, norm)
+        return grad_norm, cause
 
     def accumulate_gradients(self, batch: RolloutBatch) -> dict[str, float]:
         """Adds the gradient of the full-batch loss to the parameters' `.grad`, one micro-batch at a time.
@@ -282,6 +251,10 @@ class PolicyTrainer:
             completion positions), reward_mean, advantage_abs_mean, num_valid_tokens: all of the whole
             batch (reduced over the trainer ranks).
         """
+        return self._accumulate(batch)[0]
+
+    def _accumulate(self, batch: RolloutBatch) -> tuple[dict[str, float], Finiteness]:
+        """`accumulate_gradients`, and whether the step's advantages and loss are finite."""
         if self.model is None:
             raise RuntimeError("PolicyTrainer.accumulate_gradients called before setup()")
         model = self._current_compute_model()
@@ -290,78 +263,68 @@ class PolicyTrainer:
         num_valid_tokens, num_sequences = self._global_counts(
             batch.num_completion_tokens, batch.num_sequences
         )
-        denominator_tokens = max(num_valid_tokens, 1)  # an all-empty batch gives a zero loss, not nan
-
-        loss_total = 0.0
-        logprob_sum = 0.0
-        entropy_sum = 0.0
-        weighted: dict[str, float] = {}
-        maxima: dict[str, float] = {}
+        totals = StepTotals()
         for rows in self.forward.micro_batches(batch):
             logprobs_MC, entropy_MC, mask_MC = self.forward.logprobs(model, batch, rows, device)
-            micro_tokens = int(mask_MC.sum())
-            length = mask_MC.shape[1]
-            loss, loss_metrics = self.loss_fn(
+            loss, loss_metrics = self._micro_batch_loss(
+                batch,
+                rows,
                 logprobs_MC,
-                batch.behavior_logprobs_BC[rows, :length].to(device),
-                advantages_B[rows].to(device),
                 mask_MC,
-                num_valid_tokens=denominator_tokens,
-                num_sequences=num_sequences,
+                advantages_B[rows].to(device),
+                num_valid_tokens,
+                num_sequences,
             )
-            if self.ref_model is not None:
-                with torch.no_grad():
-                    ref_logprobs_MC, _, _ = self.forward.logprobs(self.ref_model, batch, rows, device)
-                kl_loss, kl_metrics = kl_penalty_loss(
-                    logprobs_MC,
-                    ref_logprobs_MC,
-                    mask_MC,
-                    estimator=self.algorithm.kl_estimator,
-                    coef=self.algorithm.kl_coef,
-                    num_valid_tokens=denominator_tokens,
-                )
-                loss = loss + kl_loss
-                loss_metrics = {**loss_metrics, **kl_metrics}
             loss.backward()
-            loss_total += float(loss.detach())
-            logprob_sum += float(logprobs_MC.detach().masked_fill(mask_MC == 0, 0.0).sum())
-            entropy_sum += float(entropy_MC.sum())  # (0 on padding)
-            for name, value in loss_metrics.items():
-                value = float(value)
-                if name.endswith(_MAX_SUFFIX):
-                    maxima[name] = max(maxima.get(name, -math.inf), value)
-                else:  # local means: weight by the tokens they averaged over (0 for an empty one)
-                    weighted[name] = weighted.get(name, 0.0) + (value * micro_tokens if micro_tokens else 0.0)
+            totals.add(loss, logprobs_MC, entropy_MC, mask_MC, loss_metrics)
             del logprobs_MC, loss, loss_metrics  # free this micro-batch's graph before the next forward
+        return totals.reduce(
+            batch.rewards_B,
+            advantages_B,
+            num_valid_tokens=num_valid_tokens,
+            num_sequences=num_sequences,
+            group=self.group,
+        )
 
-        # Every rank ran the same loss, so the metric names agree; sort them so the reductions line up.
-        weighted_names, max_names = sorted(weighted), sorted(maxima)
-        sums = all_reduce_sum(
-            [
-                loss_total,
-                logprob_sum,
-                entropy_sum,
-                float(batch.rewards_B.float().sum()),
-                float(advantages_B.abs().sum()),
-                *(weighted[n] for n in weighted_names),
-            ],
-            self.group,
+    def _micro_batch_loss(
+        self,
+        batch: RolloutBatch,
+        rows: slice,
+        logprobs_MC: torch.Tensor,
+        mask_MC: torch.Tensor,
+        advantages_M: torch.Tensor,
+        num_valid_tokens: int,
+        num_sequences: int,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss of the micro-batch `rows` of `batch` (with the KL penalty when there is a reference)
+        and its metrics: its share of the full-batch loss, divided by the global counts.
+
+        `logprobs_MC` (with gradient) and `mask_MC` are the policy's log-probs and loss mask of its
+        completion tokens, over its first C' completion columns; `advantages_M` its sequences'.
+        """
+        denominator_tokens = max(num_valid_tokens, 1)  # an all-empty batch gives a zero loss, not nan
+        device = logprobs_MC.device
+        loss, loss_metrics = self.loss_fn(
+            logprobs_MC,
+            batch.behavior_logprobs_BC[rows, : mask_MC.shape[1]].to(device),
+            advantages_M,
+            mask_MC,
+            num_valid_tokens=denominator_tokens,
+            num_sequences=num_sequences,
         )
-        highs = all_reduce_max([maxima[n] for n in max_names], self.group)
-        num_rows = max(num_sequences, 1)
-        metrics = {
-            "loss": sums[0],
-            "logprob_mean": sums[1] / denominator_tokens,
-            "entropy_mean": sums[2] / denominator_tokens,
-            "reward_mean": sums[3] / num_rows,
-            "advantage_abs_mean": sums[4] / num_rows,
-            "num_valid_tokens": float(num_valid_tokens),
-        }
-        metrics.update(
-            {n: total / denominator_tokens for n, total in zip(weighted_names, sums[5:], strict=True)}
+        if self.ref_model is None:
+            return loss, loss_metrics
+        with torch.no_grad():
+            ref_logprobs_MC, _, _ = self.forward.logprobs(self.ref_model, batch, rows, device)
+        kl_loss, kl_metrics = kl_penalty_loss(
+            logprobs_MC,
+            ref_logprobs_MC,
+            mask_MC,
+            estimator=self.algorithm.kl_estimator,
+            coef=self.algorithm.kl_coef,
+            num_valid_tokens=denominator_tokens,
         )
-        metrics.update(dict(zip(max_names, highs, strict=True)))
-        return metrics
+        return loss + kl_loss, {**loss_metrics, **kl_metrics}
 
     @torch.no_grad()
     def compute_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
@@ -385,13 +348,3 @@ class PolicyTrainer:
         if self._compute_copy is not None:
             self._compute_copy.refresh()
         return self.compute_model
-
-
-def _enable_activation_checkpointing(model: torch.nn.Module) -> None:
-    """Non-reentrant activation checkpointing of every decoder layer, by transformers' own method: named
-    `activation_checkpointing_enable` since transformers 5 (the old name warns there and goes in 6)."""
-    kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)

@@ -259,32 +259,43 @@ def varlen_attention_forward(
             module, query_BHTD, key_BHkvTD, value_BHkvTD, attention_mask, dropout, scaling, **kwargs
         )
     enable_gqa = query_BHTD.shape[1] != key_BHkvTD.shape[1]
-    outs_THD = []
-    for b in range(num_rows):
-        if segments is not None:
-            if num_rows != 1:
-                raise ValueError("segments describe one packed row; got a batch of rows")
-            row_segments = [Segment(s) if isinstance(s, int) else s for s in segments]
-            covered = sum(s.length for s in row_segments)
-            if covered != num_tokens:
-                raise ValueError(f"segments cover {covered} tokens, the row has {num_tokens}")
-        elif position_ids is not None:
-            row_positions = position_ids[b if position_ids.shape[0] > 1 else 0]
-            row_segments = [Segment(n) for n in lengths_from_positions(row_positions)]
-        else:
-            row_segments = [Segment(num_tokens)]
-        outs_THD.append(
-            _row_attention(
-                query_BHTD[b],
-                key_BHkvTD[b],
-                value_BHkvTD[b],
-                row_segments,
-                scale=scaling,
-                dropout=dropout,
-                enable_gqa=enable_gqa,
-            )
+    outs_THD = [
+        _row_attention(
+            query_BHTD[b],
+            key_BHkvTD[b],
+            value_BHkvTD[b],
+            _row_segments(b, num_rows, num_tokens, segments, position_ids),
+            scale=scaling,
+            dropout=dropout,
+            enable_gqa=enable_gqa,
         )
+        for b in range(num_rows)
+    ]
     return torch.stack(outs_THD) if num_rows > 1 else outs_THD[0].unsqueeze(0), None
+
+
+def _row_segments(
+    row: int,
+    num_rows: int,
+    num_tokens: int,
+    segments: Sequence[Segment | int] | None,
+    position_ids_BT: torch.Tensor | None,
+) -> list[Segment]:
+    """The segments of row `row` of a batch of `num_rows` rows of `num_tokens` tokens: `segments` as
+    given (one row only; an int is a plain sequence), else from the restarts of its position ids (int
+    [B, T] or [1, T]), else the whole row as one sequence."""
+    if segments is not None:
+        if num_rows != 1:
+            raise ValueError("segments describe one packed row; got a batch of rows")
+        row_segments = [Segment(s) if isinstance(s, int) else s for s in segments]
+        covered = sum(s.length for s in row_segments)
+        if covered != num_tokens:
+            raise ValueError(f"segments cover {covered} tokens, the row has {num_tokens}")
+        return row_segments
+    if position_ids_BT is not None:
+        row_positions_T = position_ids_BT[row if position_ids_BT.shape[0] > 1 else 0]
+        return [Segment(n) for n in lengths_from_positions(row_positions_T)]
+    return [Segment(num_tokens)]
 
 
 def varlen_mask(
