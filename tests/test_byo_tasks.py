@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from test_rl_apps import REPO, read_samples, read_step_metrics, run_app
 
 SMALL_RUN = [
@@ -26,6 +27,20 @@ TASK = Task(
     rows={"train": [{"question": f"q{i}", "turns": 3} for i in range(4)],
           "test": [{"question": "t", "turns": 2}, {"question": "u", "turns": 2}]},
     environment=FeedbackEnvironment,
+)
+"""
+
+
+NAN_TASK = """
+from llamarl.control import Task
+
+def sometimes_nan(prompt, completion, row):
+    return float("nan") if len(completion) % 2 else 1.0
+
+TASK = Task(
+    name="nan_rewards",
+    rows={"train": [{"question": f"q{i}"} for i in range(8)], "test": [{"question": "t"}, {"question": "u"}]},
+    rewards=[sometimes_nan],
 )
 """
 
@@ -102,3 +117,21 @@ def test_a_bad_task_module_is_one_line(tmp_path, module, message):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], result.stderr
     assert not (tmp_path / "x").exists()  # nothing started
+
+
+@pytest.mark.timeout(400)
+def test_a_reward_that_returns_nan_costs_its_samples_and_never_reaches_the_model(tiny_model_dir, tmp_path):
+    # Before: the run ended with exit 0, NaN rewards in the samples, no word, and a final model of NaNs.
+    (tmp_path / "nan_task.py").write_text(NAN_TASK)
+    out = tmp_path / "nan"
+    args = [arg for arg in SMALL_RUN if arg != "--no-save-model"]
+    result = run_app("task_rl", "--task.module", f"{tmp_path / 'nan_task.py'}:TASK",
+                     "--model", str(tiny_model_dir), "--output-dir", str(out), *args)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "reward function 'sometimes_nan' returned nan, not a finite number; sample" in result.stderr
+    rewards = [s["reward"] for s in read_samples(out)]
+    assert rewards and all(r in (0.0, 1.0) for r in rewards), rewards  # a NaN scored 0, as a raise does
+    from safetensors.torch import load_file
+
+    final = load_file(out / "final_model" / "model.safetensors")
+    assert final and all(bool(torch.isfinite(t).all()) for t in final.values())

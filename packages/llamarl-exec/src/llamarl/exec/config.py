@@ -98,6 +98,9 @@ class TrainerConfig(ConfigSection):
 
     lr: float = Field(3e-6, ge=0)
     """AdamW peak learning rate (0 leaves the weights as they are: for checks and timings)"""
+    max_refused_steps: int = Field(3, ge=1)
+    """updates in a row refused for a non-finite advantage, loss or gradient (each skipped: the weights
+    stay as they were) after which the run stops, naming the checkpoint to resume from"""
     lr_schedule: LRScheduleName = "constant"
     """after warmup: constant, or linear / cosine decay to 0 at the last step"""
     warmup_steps: int = Field(0, ge=0)

@@ -117,7 +117,7 @@ _USER_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EROFS, errno.EPE
 def is_user_error(error: BaseException) -> bool:
     """Whether `error` is one a user meets rather than a bug (shown as one line)."""
     return (
-        type(error).__name__ == "CheckpointError"
+        type(error).__name__ in ("CheckpointError", "TrainingStopped")
         or isinstance(error, (MemoryError, TimeoutError))
         or (isinstance(error, OSError) and error.errno in _USER_ERRNOS)
     )

@@ -20,6 +20,7 @@ from typing import Protocol
 from llamarl.comm import WeightSyncError
 from llamarl.control.outputs.timeline import Timeline
 from llamarl.control.run.channels.rollouts import GENERATOR_TOTALS
+from llamarl.control.run.refused_steps import RefusedSteps
 from llamarl.exec.types import RolloutBatch, Trainer
 
 
@@ -137,8 +138,13 @@ class TrainerLoop:
         before_step: Callable[[int], None] = lambda step: None,
         generators_done: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
         on_step: Callable[[dict[str, float], RolloutBatch], None] = lambda record, whole: None,
+        refused: RefusedSteps | None = None,
     ) -> None:
         self.trainer = trainer
+        # Steps whose update the trainer refused (non-finite values): counted, said, and the run stopped
+        # after too many in a row.
+        self.refused = refused or RefusedSteps(limit=3, where_to_resume=lambda: "see the checkpoints")
+        self.refusal: str | None = None  # the last step's refusal, as a line for the log (None: applied)
         # Where a generator's engine can be replaced: a sync that failed on a dead engine is logged and
         # training goes on; the replaced engine (and any generator the failure reached) asks for the
         # weights again (`TrainerIntake.answer_weight_requests`).
@@ -194,6 +200,7 @@ class TrainerLoop:
             )
         with self.timeline.phase("train", self.tick):
             train_metrics = self.trainer.train_step(batch)  # every trainer rank; metrics are global
+        self.refusal = self.refused.check(train_metrics, self.policy_version)
         # The step's times are the train span's own readings (the trace shows what the metrics say): a
         # step lasts from the end of the previous training to the end of this one, pauses left out.
         span = self.timeline.last("train")

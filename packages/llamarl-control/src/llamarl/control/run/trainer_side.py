@@ -20,6 +20,7 @@ import torch
 from llamarl.comm import WeightSender, WeightSyncEndpoint, WeightSyncGroup
 from llamarl.control.config import RunConfig
 from llamarl.control.launch.devices import generation_dtype, trainer_compute_dtype, weight_wire_dtype
+from llamarl.control.launch.failures import last_checkpoint_note
 from llamarl.control.launch.progress import ProgressMark
 from llamarl.control.outputs.metrics import MetricsLogger
 from llamarl.control.outputs.report import write_report
@@ -32,6 +33,7 @@ from llamarl.control.run.channels.stream import PauseServer, StreamControl
 from llamarl.control.run.channels.weights import FIRST_TRAINER_RANK, open_sender
 from llamarl.control.run.evaluation import EvalResult
 from llamarl.control.run.rank_states import TrainerRankState, TrainerRunState
+from llamarl.control.run.refused_steps import RefusedSteps, TrainingStopped
 from llamarl.control.run.schedule import Tick
 from llamarl.control.run.side import Side
 from llamarl.control.run.trainer_intake import Message, RelayedIntake, TrainerIntake
@@ -109,6 +111,9 @@ class TrainerSide(Side):
             before_step=self.faults.strike,
             generators_done=self.borrow_cores,
             on_step=self._log_step,
+            refused=RefusedSteps(
+                cfg.trainer.max_refused_steps, lambda: last_checkpoint_note(self.output_dir)
+            ),
         )
         if cfg.schedule.mode == "stream":
             self.intake = self._open_intake()
@@ -248,6 +253,8 @@ class TrainerSide(Side):
 
     def _log_step(self, record: dict[str, float], whole: RolloutBatch) -> None:
         if self.is_logger:
+            if self.loop.refusal is not None:
+                self.logger.write(f"warning: {self.loop.refusal}")
             self.step_records.append(record)
             self.logger.log(self.trainer.policy_version, record)
             self.trained_log.write(self.trainer.policy_version, whole)
@@ -269,8 +276,19 @@ class TrainerSide(Side):
         if not self.config.output.save_model:
             return
         state_dict = self.trainer.full_state_dict()  # a collective over the trainer ranks
-        if self.is_logger:
-            _save_model(self.trainer.model, self.tokenizer, self.output_dir / "final_model", state_dict)
+        if not self.is_logger:
+            return
+        # Never a model that would only produce NaN (the trainer refuses non-finite updates; this
+        # guards the initial weights and anything else that reached them).
+        bad = next(
+            (name for name, tensor in state_dict.items() if not bool(torch.isfinite(tensor).all())), None
+        )
+        if bad is not None:
+            raise TrainingStopped(
+                f"the final model has non-finite values ({bad}): it was not written; "
+                f"{last_checkpoint_note(self.output_dir)}"
+            )
+        _save_model(self.trainer.model, self.tokenizer, self.output_dir / "final_model", state_dict)
 
     def record_evaluation(self, result: EvalResult, when: str) -> None:
         if not self.is_logger:
