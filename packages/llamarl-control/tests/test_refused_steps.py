@@ -23,7 +23,11 @@ class RefusingTrainer:
     def train_step(self, batch) -> dict[str, float | str]:
         self.policy_version += 1  # a skipped step still makes a version (the previous weights)
         if self.policy_version in self.refuse:
-            return {"loss": float("nan"), "skipped_nonfinite": 1.0, "nonfinite_cause": "grad of lm_head.weight"}
+            return {
+                "loss": float("nan"),
+                "skipped_nonfinite": 1.0,
+                "nonfinite_cause": "grad of lm_head.weight",
+            }
         return {"loss": 0.5, "skipped_nonfinite": 0.0}
 
 

@@ -303,6 +303,13 @@ class RunConfig(ConfigSection):
         first = self.ranks.num_trainers + self.ranks.num_generators
         return list(range(first, first + self.ranks.num_reward_ranks))
 
+    def setting(self, path: str) -> Any:
+        """The setting at a dotted path, e.g. `config.setting("schedule.mode")`."""
+        value: Any = self
+        for key in path.split("."):
+            value = getattr(value, key)
+        return value
+
     def role_of(self, rank: int) -> Role:
         """The executor on `rank`: the one rule every part of a run asks (sides, devices, memory, the
         trace, the launcher's messages)."""

@@ -69,6 +69,13 @@ class ProcessTreeMemory:
     `at_once`: also track the most the whole tree held at one instant (`self.at_once.peak_mb`).
     """
 
+    @classmethod
+    def of_rank(cls, rank: int, role: str) -> ProcessTreeMemory:
+        """The sampler of a rank's tree, its processes named for the summary ("rank 1 generator",
+        "rank 1 generator reward worker", "rank 0 trainer worker process")."""
+        workers = "reward worker" if role == "generator" else "worker process"
+        return cls(f"rank {rank} {role}", worker_label=workers)
+
     def __init__(
         self,
         label: str,

@@ -11,6 +11,9 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
+import torch
+import torch.distributed as dist
+
 Z_95 = 1.959964  # two-sided 95% quantile of the standard normal
 
 
@@ -103,6 +106,17 @@ class EvalResult:
 
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values)
+
+
+def sum_over_ranks(
+    scores_4Q: torch.Tensor, version: torch.Tensor, *, sampled: bool, judged: bool
+) -> EvalResult:
+    """The result of an evaluation from every rank's share (a collective, after `EvalProgress.wait`):
+    scores summed per question (each question is answered on one rank, zeros elsewhere), the
+    generators' policy version (all hold the same; the other ranks give 0)."""
+    dist.all_reduce(scores_4Q)
+    dist.all_reduce(version, op=dist.ReduceOp.MAX)
+    return EvalResult.from_scores(scores_4Q.tolist(), int(version), sampled=sampled, judged=judged)
 
 
 def paired_delta_ci(before_Q: list[float], after_Q: list[float], z: float = Z_95) -> list[float]:

@@ -28,7 +28,6 @@ decoding steps, keeping its request in flight.
 from __future__ import annotations
 
 import contextlib
-import random
 import time
 from datetime import timedelta
 from typing import Any, Protocol
@@ -46,10 +45,10 @@ from llamarl.control.outputs.timeline import Timeline, write_chrome_trace
 from llamarl.control.run import checkpoint as ckpt
 from llamarl.control.run.channels.stream import Pause
 from llamarl.control.run.channels.weights import FIRST_TRAINER_RANK, weight_sync_endpoint
-from llamarl.control.run.evaluation import EVAL_SCORES, EvalProgress, EvalResult
+from llamarl.control.run.evaluation import EVAL_SCORES, EvalProgress, EvalResult, sum_over_ranks
 from llamarl.control.run.faults import FaultInjector
 from llamarl.control.run.schedule import PausePlan, Phase, SideName, Tick, lockstep_ticks
-from llamarl.control.tasks.prompts import load_tokenizer
+from llamarl.control.tasks.prompts import data_order, load_tokenizer
 from llamarl.control.tasks.registry import load_task
 
 
@@ -173,17 +172,11 @@ class Side(SideHooks):
         self.resumed: ckpt.Resume | None = None  # the checkpoint this run continues from
         self.start_tick = 0  # the first tick (stream: step) to run (after the resumed checkpoint's)
         self.checkpoints: ckpt.RunCheckpoints | None = None  # with checkpoint.every or checkpoint.resume
-        self.plan = PausePlan(
-            eval_every=config.eval.every,
-            checkpoint_every=config.checkpoint.every,
-            steps=config.schedule.steps,
-        )
+        self.plan = PausePlan(config.eval.every, config.checkpoint.every, config.schedule.steps)
         self._eval_s_in_loop = 0.0  # time spent evaluating inside the training loop (not training)
         self._evaluations = 0  # evaluations so far (every rank counts the same)
         self._eval_progress: EvalProgress | None = None  # the evaluation under way
-        # The shuffled order of the training prompts: every rank computes the same one from the seed.
-        self.prompt_order = list(range(len(train_examples)))
-        random.Random(config.seed).shuffle(self.prompt_order)
+        self.prompt_order = data_order(len(train_examples), config.seed)  # the same on every rank
 
     # ----------------------------------------------------------------------------------------------
     # lifecycle
@@ -197,9 +190,7 @@ class Side(SideHooks):
         """Loads the models, opens the channels, and on resume loads this rank's part of the checkpoint."""
         cfg = self.config
         # This rank and every process it starts (an engine, reward workers), sampled until the end.
-        role = cfg.role_of(self.rank)
-        workers = "reward worker" if role == "generator" else "worker process"
-        self.memory = ProcessTreeMemory(f"rank {self.rank} {role}", worker_label=workers).start()
+        self.memory = ProcessTreeMemory.of_rank(self.rank, cfg.role_of(self.rank)).start()
         self.device = rank_device(cfg)
         torch.manual_seed(cfg.seed + self.rank)
         self.tokenizer = load_tokenizer(cfg.model)
@@ -233,7 +224,7 @@ class Side(SideHooks):
                 rank=self.rank,
                 world_size=self.world_size,
                 keep=cfg.checkpoint.keep,
-                settings={key: _get(cfg, key) for key in ckpt.MUST_MATCH_ON_RESUME},
+                settings={key: cfg.setting(key) for key in ckpt.MUST_MATCH_ON_RESUME},
             )
             if cfg.checkpoint.resume:
                 self.resumed = self.checkpoints.resume(log=lambda m: print(m, flush=True))
@@ -403,14 +394,10 @@ class Side(SideHooks):
             self.score_evaluation(scores_4Q, version, when)
             if self.rank in self.generator_ranks:
                 self._eval_progress.done()
-            # Collectives wait at most launch.timeout_s; an evaluation may take longer, so every rank
-            # first waits here for as long as the generators show progress.
             self._eval_progress.wait(len(self.generator_ranks), timeout_s=self.config.launch.timeout_s)
-            dist.all_reduce(scores_4Q)
-            dist.all_reduce(version, op=dist.ReduceOp.MAX)  # the other ranks give 0
-            result = EvalResult.from_scores(
-                scores_4Q.tolist(),
-                int(version),
+            result = sum_over_ranks(
+                scores_4Q,
+                version,
                 sampled=bool(self.config.eval.samples),
                 judged=self.task.correct is not None,
             )
@@ -448,11 +435,3 @@ def _gather_on_first_trainer_rank(mine: list, world_size: int) -> list[list] | N
     gathered: list[list] | None = [[] for _ in range(world_size)] if here else None
     dist.gather_object(mine, gathered, dst=FIRST_TRAINER_RANK)
     return gathered
-
-
-def _get(config: RunConfig, path: str) -> Any:
-    """The setting at a dotted path, e.g. "schedule.mode"."""
-    value: Any = config
-    for key in path.split("."):
-        value = getattr(value, key)
-    return value

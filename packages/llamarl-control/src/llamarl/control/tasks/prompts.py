@@ -8,10 +8,19 @@
 
 from __future__ import annotations
 
+import random
 from typing import Any, Protocol
 
 from llamarl.control.tasks.task import Task
 from llamarl.exec.types import RolloutBatch
+
+
+def data_order(num_rows: int, seed: int) -> list[int]:
+    """The run's shuffled order of its training rows (row indices), from the seed alone: every rank
+    computes the same one, and a resumed run the same again."""
+    order = list(range(num_rows))
+    random.Random(seed).shuffle(order)
+    return order
 
 
 class PromptStream:
