@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from llamarl.comm._lanes import Message, PairOrder, Pending, PostedRecv, plan_lanes
+from llamarl.comm._lanes import MANIFEST, Message, PairOrder, Pending, PostedRecv, plan_lanes
 from llamarl.comm._staging import NUM_SLOTS, SourceLocals, StagingCache, direct_len
 from llamarl.comm.buckets import (
     TRAILER_BYTES,
@@ -182,7 +182,7 @@ class SyncTransfer:
         the destination tensors, a packed one in its staging slot once that slot is free (else None)."""
         stream, bucket = msg.stream, msg.bucket
         assert self.dst_tensors is not None
-        if msg.manifest:
+        if msg.part == MANIFEST:
             return self.staging.manifest(stream), None
         if bucket.direct:
             return self.staging.direct_target(stream, bucket, self.dst_tensors)
@@ -234,7 +234,7 @@ class SyncTransfer:
             sync_index=self.sync_index,
             device=self.group.device,
         )
-        self.loose_sends.append(self.pairs.send(stream, last_direct, manifest, manifest=True))
+        self.loose_sends.append(self.pairs.send(stream, last_direct, manifest, part=MANIFEST))
 
     # ----------------------------------------------------------------------------------------------
     # Destination side
@@ -253,10 +253,10 @@ class SyncTransfer:
         )
         if bucket.index != stream.num_direct - 1:
             return
-        manifest = self.pairs.take_receive(stream, bucket, manifest=True)
+        manifest = self.pairs.take_receive(stream, bucket, part=MANIFEST)
         manifest.pending.wait(self.group, "receiving the manifest")
         if stream.downstream(self.rank) is not None:
-            self.loose_sends.append(self.pairs.send(stream, bucket, manifest.payload, manifest=True))
+            self.loose_sends.append(self.pairs.send(stream, bucket, manifest.payload, part=MANIFEST))
         direct = stream.buckets[: stream.num_direct]
         self._verify(self.received_direct.pop(sid), read_trailers(manifest.payload), direct, stream, upstream)
 
