@@ -146,5 +146,6 @@ class WeightSender:
         return out
 
     def close(self) -> None:
-        """Release buffers (the group is closed by its owner)."""
+        """Release buffers (the group is closed by its owner); a later sync would be a full one."""
         self._membership.staging.clear()
+        self._membership.held_sync = None  # (the shadows went with the buffers)
