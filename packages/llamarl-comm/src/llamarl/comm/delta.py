@@ -15,10 +15,11 @@ against it; the receiver applies it to the same old bytes and gets the new ones 
 
 Bytes, not elements, are the unit: it makes every dtype the same case (bf16 and fp8 values, float32
 scales, raw integers: a comparison of bit patterns), and a bf16 value that moved by an ulp or two
-changes only its low byte (92-97% of the changed values measured in RL steps), so sending the changed
-bytes costs 3 bytes per changed bf16 value where an element index and value would cost 4. Measured
-on SmolLM2-135M's consecutive RL steps (``tools/bench_weight_sync.py --real``), against the other
-encodings: see the README. Every part starts 8-byte aligned.
+changes only its low byte (87-97% of the changed values measured in RL steps), so sending the changed
+bytes costs about 3.2 bytes per changed bf16 value where an element index and value would cost 4.
+Measured on SmolLM2-135M's consecutive RL steps (``tools/bench_weight_sync.py --delta``) against the
+other encodings (index and value, bitmap and values, XOR and zlib): see the package README. Every part
+starts 8-byte aligned.
 
 Pure tensor functions (CPU or GPU); no process group.
 """

@@ -57,8 +57,8 @@ class WeightSender:
     generation (the first sync, after a receiver restarted or any sync failed) and every
     ``anchor_every``-th sync. None (the default) turns it on where values travel in 2 bytes or fewer
     (a ``wire_dtype``, or bf16 / fp16 weights): there most of them keep their wire value from one RL
-    step to the next (SmolLM2-135M at lr 3e-6: 0.8-1.4% of bf16 values change per step, a delta is
-    1.4-2.2% of a full sync's bytes), while a float32 value changes at almost every step. Memory:
+    step to the next (SmolLM2-135M at lr 3e-6: 0.8-1.3% of bf16 values change per step, a delta is
+    1.4-2.1% of a full sync's bytes), while a float32 value changes at almost every step. Memory:
     every source keeps a copy of the wire bytes it sent last (its shadow: as many bytes as it sends
     per full sync, ``plan.bytes_sent_by()[rank]``); a receiver keeps none where its tensors hold the
     wire values exactly (in place, or ``load_fn``'s staging, in the wire dtype or a wider float),
