@@ -25,12 +25,13 @@ from typing import Any
 
 import torch
 
-from llamarl.comm._lanes import HEADER, PAYLOAD, SKIP, Message, PairOrder, Pending, plan_lanes
-from llamarl.comm._staging import NUM_SLOTS, SourceLocals, StagingCache, wire_len
-from llamarl.comm.buckets import Checksummer, checksum_tensor
+from llamarl.comm._lanes import HEADER, PAYLOAD, SKIP, Message, Pending
+from llamarl.comm._staging import NUM_SLOTS, SourceLocals, wire_len
+from llamarl.comm._transfer import SyncPart
+from llamarl.comm.buckets import checksum_tensor
 from llamarl.comm.delta import FULL, KIND_NAMES, Encoded, apply_delta, encode_delta, encoded_nbytes
-from llamarl.comm.plan import Bucket, Stream, TransferPlan
-from llamarl.comm.transport import WeightSyncError, WeightSyncGroup
+from llamarl.comm.plan import Bucket, Stream
+from llamarl.comm.transport import WeightSyncError
 
 HEADER_WORDS = 10
 HEADER_BYTES = 8 * HEADER_WORDS
@@ -89,48 +90,13 @@ class Moved:
     changed: int = 0  # wire bytes whose value changed (a delta sync)
 
 
-class _DeltaPart:
-    """What both sides of a delta-group sync share: the plan, the pair order, the checksums."""
+class _DeltaPart(SyncPart):
+    """What both sides of a changed-only group's sync add: the delta's base sync, its headers, counts."""
 
-    def __init__(
-        self,
-        *,
-        group: WeightSyncGroup,
-        plan: TransferPlan,
-        staging: StagingCache,
-        checksum_stride: int,
-        sync_index: int,
-        policy_version: int,
-        base_sync: int | None,
-    ) -> None:
-        self.group = group
-        self.rank = group.rank
-        self.plan = plan
-        self.staging = staging
-        self.checksum_stride = checksum_stride  # 0: checksums off
-        self.sync_index = sync_index
-        self.policy_version = policy_version
+    def __init__(self, *, base_sync: int | None, **common: Any) -> None:
+        super().__init__(delta=True, **common)
         self.base_sync = base_sync  # None: a full sync
-        lanes = staging.views.get(("delta-lanes",))
-        if lanes is None:
-            lanes = staging.views[("delta-lanes",)] = plan_lanes(plan, self.rank, delta=True)
-        self.pairs = PairOrder(group, lanes, sync_index=sync_index, receive_target=self._receive_target)
         self.result = Moved()
-
-    def _receive_target(self, msg: Message) -> tuple[torch.Tensor, None] | str | None:
-        raise WeightSyncError(f"rank {self.rank}: a source receives nothing ({msg})")
-
-    def _checksum(
-        self, cache: dict[Any, Any], key: tuple[Any, ...], payload: torch.Tensor
-    ) -> torch.Tensor | None:
-        """The bucket checksum of the wire bytes ``payload`` (views built once per memory, see
-        ``buckets.Checksummer``); None with checksums off."""
-        if not self.checksum_stride:
-            return None
-        summer = cache.get(key)
-        if summer is None:
-            summer = cache[key] = Checksummer(payload, self.checksum_stride)
-        return summer(self.sync_index)
 
     def _payload_sum(self, payload: torch.Tensor) -> torch.Tensor | None:
         """A delta payload's own checksum, over every word (it is small); None with checksums off."""

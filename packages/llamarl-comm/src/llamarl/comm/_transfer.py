@@ -36,10 +36,10 @@ from llamarl.comm.plan import Bucket, Stream, TransferPlan
 from llamarl.comm.transport import WeightSyncError, WeightSyncGroup
 
 
-class SyncTransfer:
-    """This rank's part of one sync, created for that sync: its posted receives, pending sends and
-    checksums. ``run()`` goes through the steps: post receives, start direct sends, then each bucket
-    of the schedule (source or destination side), then wait for what is still in flight."""
+class SyncPart:
+    """What a rank's part of one sync holds, in a group of full syncs or changed-only ones: its group,
+    plan and staging, the sync's ids, its messages' order on each pair (``delta``: each bucket a header
+    then a payload, see ``_lanes.plan_lanes``), and checksums with their views cached."""
 
     def __init__(
         self,
@@ -50,8 +50,7 @@ class SyncTransfer:
         checksum_stride: int,
         sync_index: int,
         policy_version: int,
-        locals_: SourceLocals | None,
-        dst_tensors: dict[str, torch.Tensor] | None,
+        delta: bool,
     ) -> None:
         self.group = group
         self.rank = group.rank
@@ -60,13 +59,42 @@ class SyncTransfer:
         self.checksum_stride = checksum_stride  # 0: checksums off
         self.sync_index = sync_index
         self.policy_version = policy_version
+        lanes = staging.views.get(("lanes", delta))
+        if lanes is None:
+            lanes = staging.views[("lanes", delta)] = plan_lanes(plan, self.rank, delta=delta)
+        self.pairs = PairOrder(group, lanes, sync_index=sync_index, receive_target=self._receive_target)
+
+    def _receive_target(self, msg: Message) -> Any:
+        """Where a receive from upstream lands (see ``_lanes.ReceiveTarget``)."""
+        raise WeightSyncError(f"rank {self.rank}: nothing is received here ({msg})")
+
+    def _checksum(
+        self, cache: dict[Any, Any], key: tuple[Any, ...], payload: torch.Tensor
+    ) -> torch.Tensor | None:
+        """The checksum of ``payload`` at this sync's phase (0-d; None with checksums off), its views
+        cached in ``cache`` under ``key``."""
+        # Taken right after a payload was written or read (sent, packed, received) while its bytes are
+        # still in cache: later, summing a spot-check stride reads DRAM as much as a copy does.
+        if not self.checksum_stride:
+            return None
+        summer = cache.get(key)
+        if summer is None:
+            summer = cache[key] = Checksummer(payload, self.checksum_stride)
+        return summer(self.sync_index)
+
+
+class SyncTransfer(SyncPart):
+    """This rank's part of one sync, created for that sync: its posted receives, pending sends and
+    checksums. ``run()`` goes through the steps: post receives, start direct sends, then each bucket
+    of the schedule (source or destination side), then wait for what is still in flight."""
+
+    def __init__(
+        self, *, locals_: SourceLocals | None, dst_tensors: dict[str, torch.Tensor] | None, **common: Any
+    ) -> None:
+        super().__init__(delta=False, **common)
         self.locals_ = locals_
         self.dst_tensors = dst_tensors
-        self.src_views = staging.source_views(locals_) if locals_ is not None else {}
-        lanes = staging.views.get(("lanes",))
-        if lanes is None:
-            lanes = staging.views[("lanes",)] = plan_lanes(plan, self.rank)
-        self.pairs = PairOrder(group, lanes, sync_index=sync_index, receive_target=self._receive_target)
+        self.src_views = self.staging.source_views(locals_) if locals_ is not None else {}
         # (stream, slot) -> a slot's send, waited before the slot is reused
         self.slot_sends: dict[tuple[int, int], Pending] = {}
         self.loose_sends: list[Pending] = []  # sends from tensors' memory: waited at the end
@@ -320,15 +348,3 @@ class SyncTransfer:
         pending = self.slot_sends.pop(key, None)
         if pending is not None:
             pending.wait(self.group, "sending weights")
-
-    def _checksum(
-        self, cache: dict[Any, Any], key: tuple[Any, ...], payload: torch.Tensor
-    ) -> torch.Tensor | None:
-        # Taken right after a payload was written or read (sent, packed, received) while its bytes are
-        # still in cache: later, summing a spot-check stride reads DRAM as much as a copy does.
-        if not self.checksum_stride:
-            return None
-        summer = cache.get(key)
-        if summer is None:
-            summer = cache[key] = Checksummer(payload, self.checksum_stride)
-        return summer(self.sync_index)
