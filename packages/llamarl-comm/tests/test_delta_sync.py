@@ -296,6 +296,51 @@ def test_a_damaged_or_misapplied_delta_is_refused_and_answered_by_a_full_sync(
         assert torch.equal(engine["weights"][name], want), name
 
 
+def _gap_worker(rank: int, world_size: int, rdv, transport: str):
+    """The receiver loses its copy of sync 1's weights (`close` drops them, as a receiver that missed
+    or failed a sync has none): sync 2, a delta against sync 1, is refused by it at once, naming it;
+    the sender's sync fails within a heartbeat, and sync 3 is a full one."""
+    g = torch.Generator().manual_seed(0)
+    named = {"w": torch.randn(64, 64, generator=g)}
+    group = _group(rank, world_size, rdv, transport, timeout_s=20.0, dead_after_s=2.0)
+    if rank == 0:
+        sender = WeightSender(group, named, bucket_bytes=4096, wire_dtype=torch.bfloat16)
+        out = {"stats": [sender.send(1)]}
+        group.get("test/lost", timeout_s=30)
+        for version in (2, 3):
+            named["w"].view(-1)[version::50] += 0.1
+            try:
+                out["stats"].append(sender.send(version))
+            except WeightSyncError as exc:
+                out["stats"].append({"message": str(exc)})
+        out["expected"] = named["w"].to(torch.bfloat16)
+        group.get("test/done", timeout_s=30)
+        return out
+    dst = {"w": torch.zeros(64, 64, dtype=torch.bfloat16)}
+    receiver = WeightReceiver(group, dst)
+    assert receiver.receive() == 1
+    receiver.close()
+    group.put("test/lost", True)
+    try:
+        receiver.receive()
+        refusal = None
+    except WeightSyncError as exc:
+        refusal = str(exc)
+    third = receiver.receive()
+    group.put("test/done", True)
+    return {"refusal": refusal, "third": third, "delta": receiver.last_stats.delta, "w": dst["w"].clone()}
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_receiver_without_the_deltas_base_refuses_it_and_the_next_sync_is_full(transport: str) -> None:
+    trainer, engine = run_distributed(_gap_worker, 2, transport, timeout_s=90)
+    assert "rank 1: sync 2 sends only what changed since sync 1" in engine["refusal"], engine["refusal"]
+    first, second, third = trainer["stats"]
+    assert not first.delta and "rank 1" in second["message"], second
+    assert not third.delta and engine["third"] == 3 and not engine["delta"]
+    assert torch.equal(engine["w"], trainer["expected"])
+
+
 TIMEOUT_S = 10.0
 
 
