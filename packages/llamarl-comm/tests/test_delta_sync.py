@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from llamarl.comm import WeightReceiver, WeightSender, WeightSyncEndpoint, WeightSyncError, WeightSyncGroup
+from llamarl.comm._staging import wire_len
 from llamarl.comm.buckets import bucket_packer, bucket_unpacker
 from llamarl.comm.testing import TRANSPORTS, run_distributed, transport_kwargs, wait_until
 
@@ -128,6 +129,8 @@ def _many_syncs_worker(rank: int, world_size: int, rdv, transport: str, case: st
             out["stats"].append(sender.send(sync))
             out["expected"].append(_wire_copy(sender, _receiver_tensors(case)))
         out["shadows"] = _shadows_are_the_wire_bytes(sender)
+        out["shadow_bytes"] = sender._membership.staging.shadow_bytes()
+        out["sent_bytes"] = sum(wire_len(b) for s in sender.plan.streams for b in s.buckets)
         out["kinds"] = {(b.direct, b.src_copy) for s in sender.plan.streams for b in s.buckets}
         group.get("test/done", timeout_s=30)
         return out
@@ -144,7 +147,11 @@ def _many_syncs_worker(rank: int, world_size: int, rdv, transport: str, case: st
         assert receiver.receive() == sync
         got.append({n: t.clone() for n, t in (loaded if case == "lora" else dst).items()})
     group.put("test/done", True)
-    return {"got": got, "stats": receiver.last_stats}
+    return {
+        "got": got,
+        "stats": receiver.last_stats,
+        "shadow_bytes": receiver._membership.staging.shadow_bytes(),
+    }
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -167,6 +174,10 @@ def test_fifty_delta_syncs_leave_the_receiver_bitwise_equal(transport: str, case
     assert sum(s.bytes for s in deltas) < 0.6 * sum(s.full_bytes for s in deltas)
     assert all(s.changed_bytes is not None and s.changed_bytes <= s.full_bytes for s in deltas)
     assert engine["stats"].delta and engine["stats"].bytes == stats[-1].bytes
+    # Memory: the sender keeps one copy of what it sends; the receiver none, but with fp8 on the wire
+    # (its tensors cannot give the fp8 bytes back), a copy of what it receives.
+    assert trainer["shadow_bytes"] == trainer["sent_bytes"]
+    assert engine["shadow_bytes"] == (trainer["sent_bytes"] if case == "fp8" else 0)
 
 
 class _Waited:

@@ -13,6 +13,7 @@ Store protocol (keys under the group's prefix, values JSON):
   ``delta_base``: the sync whose weights it sends the changes to (None: a full sync); everyone else
   waits for the announcement, (re)forms the group if the generation moved, then runs its part of the
   plan.
+- ``held/{rank}``: the ``policy_version`` each receiver holds after its last successful sync.
 
 Changed-only syncs (sources built with ``anchor_every`` > 0, see ``delta.py``): every rank remembers
 the last sync it completed on the current generation (``held_sync``); the announcer sends a delta
@@ -21,7 +22,6 @@ failed sync abandons its generation) or an anchor is due (every ``anchor_every``
 rank that does not hold the delta's base refuses the sync at once, naming itself, and abandons the
 generation: the next sync is then a full one on a new generation. Rebuilt buckets are checksummed
 (``_delta_transfer``), so a delta applied to other weights than the sender's is refused too.
-- ``held/{rank}``: the ``policy_version`` each receiver holds after its last successful sync.
 """
 
 from __future__ import annotations
