@@ -170,3 +170,15 @@ def test_fp8_wire_bytes_cannot_be_rebuilt_from_the_tensors() -> None:
     narrower = _bucket([("w", (4, 8), "float32", "bfloat16")])
     dst = {"w": torch.zeros(4, 8, dtype=torch.float16)}  # bf16 values do not all fit in fp16
     assert bucket_repacker(torch.empty(narrower.payload_bytes, dtype=torch.uint8), narrower, dst) is None
+
+
+def test_changed_only_syncs_are_on_by_default_where_values_travel_in_two_bytes_or_fewer() -> None:
+    """A float32 weight changes its bits at almost every step: whole syncs are cheaper there."""
+    from llamarl.comm.sender import narrow_on_the_wire
+
+    fp32 = {"w": torch.zeros(64, 64), "b": torch.zeros(64)}
+    assert not narrow_on_the_wire(fp32, None)
+    assert narrow_on_the_wire(fp32, torch.bfloat16) and narrow_on_the_wire(fp32, torch.float8_e4m3fn)
+    mostly_bf16 = {"w": torch.zeros(64, 64, dtype=torch.bfloat16), "norm": torch.zeros(64)}
+    assert narrow_on_the_wire(mostly_bf16, None)
+    assert not narrow_on_the_wire({"steps": torch.zeros(8, dtype=torch.int64)}, None)  # nothing to narrow
