@@ -27,7 +27,7 @@ import torch
 
 from llamarl.comm._lanes import HEADER, PAYLOAD, SKIP, Message, Pending
 from llamarl.comm._staging import NUM_SLOTS, SourceLocals, wire_len
-from llamarl.comm._transfer import SyncPart
+from llamarl.comm._sync_part import SyncPart
 from llamarl.comm.buckets import checksum_tensor
 from llamarl.comm.delta import FULL, KIND_NAMES, Encoded, apply_delta, encode_delta, encoded_nbytes
 from llamarl.comm.plan import Bucket, Stream
