@@ -3,7 +3,8 @@
 Two benchmarks. The default one times full syncs of synthetic weights against the transport (below).
 ``--delta`` measures changed-only syncs on a real RL run's consecutive weights (see ``delta_main``):
 SmolLM2-135M-Instruct trained a few policy-gradient steps per learning rate, then each step's weights
-synced full and as a delta, side by side, for 1->1, FSDP2 2->TP 2 and two replicas.
+synced full and as a delta, side by side, for 1->1, FSDP2 2->TP 2 and two replicas, 50 syncs each
+(the steps walked back and forth), ending with a bitwise comparison of the generators.
 
 For each model (SmolLM2-135M shapes; a synthetic ~1.1B Llama-like set, TinyLlama shapes) and each
 layout (1->1 and 1->2 replicated engines; 2->2: an FSDP2-sharded trainer (DTensor Shard(0)) to a
@@ -319,6 +320,9 @@ def main() -> None:
     parser.add_argument("--delta", action="store_true", help="changed-only syncs of a real RL run (below)")
     parser.add_argument("--lrs", default="1e-6,3e-6,1e-5", help="--delta: learning rates to train at")
     parser.add_argument("--steps", type=int, default=5, help="--delta: policy-gradient steps per rate")
+    parser.add_argument(
+        "--syncs", type=int, default=50, help="--delta: syncs per layout (steps walked back and forth)"
+    )
     args = parser.parse_args()
     if args.delta:
         delta_main(args)
@@ -488,9 +492,10 @@ def _load_step(tensors: dict[str, torch.Tensor], path: str, rank: int, num_src: 
 
 
 def _delta_worker(rank: int, world_size: int, rdv, layout_kind: str, paths: list[str]):
-    """Two groups between the same processes: A sends every step in full, B changed-only (after its
-    first sync). Each step: the senders load the step's weights, then A syncs, then B. Returns each
-    sync's seconds and stats on this rank, and (receivers) whether B's tensors equal A's bitwise."""
+    """Two groups between the same processes: A sends every sync in full, B changed-only (after its
+    first sync; default anchors). Each sync: the senders load the weights of ``paths``' next entry,
+    then A syncs, then B. Returns each sync's seconds and stats on this rank, and (receivers) whether
+    B's tensors equal A's bitwise at the end."""
     num_src = 2 if layout_kind == "2-2" else 1
     shapes = {n: tuple(t.shape) for n, t in torch.load(paths[0]).items()}
     groups = {
@@ -502,8 +507,7 @@ def _delta_worker(rank: int, world_size: int, rdv, layout_kind: str, paths: list
     if rank < num_src:
         tensors = _delta_sender(rank, num_src, shapes, rdv)
         _load_step(tensors, paths[0], rank, num_src)
-        ends = {k: WeightSender(g, tensors, wire_dtype=DTYPE, delta=k == "delta", anchor_every=10**6)
-                for k, g in groups.items()}  # fmt: skip
+        ends = {k: WeightSender(g, tensors, wire_dtype=DTYPE, delta=k == "delta") for k, g in groups.items()}
     else:
         if num_src == 1:
             layout = replicated({n: (s, DTYPE) for n, s in shapes.items()})
@@ -515,7 +519,7 @@ def _delta_worker(rank: int, world_size: int, rdv, layout_kind: str, paths: list
         ends = {k: WeightReceiver(g, dsts[k], layout=layout) for k, g in groups.items()}
     rows = []
     for step, path in enumerate(paths):
-        if rank < num_src and step:
+        if rank < num_src and step and path != paths[step - 1]:
             _load_step(tensors, path, rank, num_src)
         row = {}
         for kind, end in ends.items():
@@ -554,7 +558,7 @@ def delta_main(args: argparse.Namespace) -> None:
             paths = train_snapshots(model_dir, lr, batches, Path(tmp))
             _print_encodings(lr, paths)
             for layout in args.layouts.split(","):
-                _print_syncs(lr, layout, paths[1:])  # a run's first sync follows its first step
+                _print_syncs(lr, layout, paths[1:], args.syncs)  # a run's first sync follows step 1
             for path in paths:
                 path.unlink()
     print(
@@ -562,8 +566,9 @@ def delta_main(args: argparse.Namespace) -> None:
         "every weight by about lr); full / delta MB: bytes on the wire (summed over the senders); s: the "
         "sync's wall time (slowest rank), gloo over loopback; gen pause: the generator's pause per sync, "
         "measured by the engine adapters (not here). As in a run, the first sync follows step 1 (the "
-        "generators start from the checkpoint) and is full in both groups; deltas start at step 2. "
-        f"The trainer's default lr: {TrainerConfig().lr:g}."
+        "generators start from the checkpoint) and is full in both groups; deltas start at step 2. After the "
+        "last step the syncs walk the steps back and forth (each move one real step's change, done or undone) "
+        f"to --syncs syncs. The trainer's default lr: {TrainerConfig().lr:g}."
     )
 
 
@@ -581,30 +586,48 @@ def _print_encodings(lr: float, paths: list[Path]) -> None:
         prev = cur
 
 
-def _print_syncs(lr: float, layout: str, paths: list[Path]) -> None:
+def zigzag(items: list, count: int) -> list:
+    """``count`` items walking ``items`` forth and back (1 2 3 2 1 2 ...): every move between two
+    neighbours is one real step's change, forward or undone."""
+    if len(items) < 2:
+        return items[:1] * count
+    cycle = items + items[-2:0:-1]
+    return [cycle[i % len(cycle)] for i in range(count)]
+
+
+def _print_syncs(lr: float, layout: str, paths: list[Path], syncs: int) -> None:
+    """Syncs the steps' weights (then walks them back and forth, to ``syncs`` syncs): a row per real
+    step, a line for all of them, and whether the changed-only group's generators end bitwise equal."""
     num_src, num_dst = (int(x) for x in layout.split("-"))
-    world = num_src + num_dst
-    res = run_distributed(_delta_worker_with_port, world, layout, [str(p) for p in paths], timeout_s=1800)
+    order = [str(p) for p in zigzag(paths, max(syncs, len(paths)))]
+    res = run_distributed(_delta_worker_with_port, num_src + num_dst, layout, order, timeout_s=3000)
     name = {"1-1": "1->1", "2-2": "FSDP2 2->TP 2", "1-2": "1->2 replicas"}[layout]
     print(f"\nlr {lr:g}, {name}: full vs delta sync per step", flush=True)
     columns = ("full MB", 8), ("delta MB", 9), ("delta %", 8), ("full s", 7), ("delta s", 8), ("gen pause", 9)
     print(f"{'step':>4} " + " ".join(f"{c:>{w}}" for c, w in columns))
-    shares = []
-    for i in range(len(paths)):
-        step, rows = i + 1, [r["rows"][i] for r in res]
+    figures = []
+    for i in range(len(order)):
+        rows = [r["rows"][i] for r in res]
         secs = {k: max(r[k]["seconds"] for r in rows) for k in ("full", "delta")}
         sent = {k: sum(r[k]["bytes"] for r in rows[:num_src]) for k in ("full", "delta")}
-        kind = "delta" if rows[0]["delta"]["delta"] else "full"
         share = 100 * sent["delta"] / sent["full"]
-        shares += [share] if kind == "delta" else []
-        print(
-            f"{step:>4} {sent['full'] / 1e6:8.1f} {sent['delta'] / 1e6:9.2f} {share:7.2f}% "
-            f"{secs['full']:7.3f} {secs['delta']:8.3f} {'-':>9}  ({kind})",
-            flush=True,
-        )
+        if rows[0]["delta"]["delta"]:
+            figures.append((share, secs["full"], secs["delta"]))
+        if i < len(paths):
+            kind = "delta" if rows[0]["delta"]["delta"] else "full"
+            print(
+                f"{i + 1:>4} {sent['full'] / 1e6:8.1f} {sent['delta'] / 1e6:9.2f} {share:7.2f}% "
+                f"{secs['full']:7.3f} {secs['delta']:8.3f} {'-':>9}  ({kind})",
+                flush=True,
+            )
     equal = "bitwise equal" if all(r["equal"] for r in res[num_src:]) else "DIFFER"
-    mean = f"{sum(shares) / len(shares):.2f}%" if shares else "-"
-    print(f"deltas: {mean} of a full sync's bytes on average; generators after {len(paths)} syncs: {equal}")
+    shares, fulls, deltas = (sorted(x) for x in zip(*figures, strict=True))
+    print(
+        f"{len(order)} syncs ({len(figures)} deltas, the steps walked back and forth): delta "
+        f"{sum(shares) / len(shares):.2f}% of a full sync's bytes ({shares[0]:.2f}-{shares[-1]:.2f}%), "
+        f"median {fulls[len(fulls) // 2]:.3f} s full, {deltas[len(deltas) // 2]:.3f} s delta; the "
+        f"generators after {len(order)} syncs: {equal}"
+    )
 
 
 def _delta_worker_with_port(rank: int, world_size: int, rdv, layout_kind: str, paths: list[str]):
