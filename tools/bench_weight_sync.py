@@ -208,6 +208,7 @@ def _worker(
             checksum=checksum > 0,
             checksum_stride=checksum,
             direct_min_bytes=direct_min_bytes,
+            delta=False,  # the same weights every round: this one times full syncs (--delta: the other)
         )
     else:
         if num_src == 1:
@@ -566,9 +567,9 @@ def delta_main(args: argparse.Namespace) -> None:
         "every weight by about lr); full / delta MB: bytes on the wire (summed over the senders); s: the "
         "sync's wall time (slowest rank), gloo over loopback; gen pause: the generator's pause per sync, "
         "measured by the engine adapters (not here). As in a run, the first sync follows step 1 (the "
-        "generators start from the checkpoint) and is full in both groups; deltas start at step 2. After the "
-        "last step the syncs walk the steps back and forth (each move one real step's change, done or undone) "
-        f"to --syncs syncs. The trainer's default lr: {TrainerConfig().lr:g}."
+        "generators start from the checkpoint) and is full in both groups; deltas start at step 2. After "
+        "the last step the syncs walk the steps back and forth (each move one real step's change, done or "
+        f"undone) to --syncs syncs. The trainer's default lr: {TrainerConfig().lr:g}."
     )
 
 
