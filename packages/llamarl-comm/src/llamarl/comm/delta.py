@@ -18,8 +18,8 @@ scales, raw integers: a comparison of bit patterns), and a bf16 value that moved
 changes only its low byte (87-97% of the changed values measured in RL steps), so sending the changed
 bytes costs about 3.2 bytes per changed bf16 value where an element index and value would cost 4.
 Measured on SmolLM2-135M's consecutive RL steps (``tools/bench_weight_sync.py --delta``) against the
-other encodings (index and value, bitmap and values, XOR and zlib): see the package README. Every part
-starts 8-byte aligned.
+other encodings (index and value, bitmap and values, XOR and zlib): see the package README. Each part
+of a payload starts aligned for its dtype.
 
 Pure tensor functions (CPU or GPU); no process group.
 """
