@@ -145,6 +145,9 @@ def test_vllm_engine_receives_trainer_weights(tmp_path: Path) -> None:
     assert res["version_after"] == [POLICY_VERSION]
     # ... and the one the trainer reads back from the group (the receiver reports it after loading).
     assert ref["held_versions"] == {"1": POLICY_VERSION}
+    # The second sync went changed-only: the sign bits, a quarter of the bytes, as a bitmap plus values.
+    second = ref["second_sync"]
+    assert second["delta"] and second["bytes"] < 0.5 * second["full_bytes"], second
 
     # Before the sync the engine served other weights: it must not already agree with the trainer.
     assert res["token_ids_before"] != ref["token_ids"]

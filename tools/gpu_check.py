@@ -239,6 +239,7 @@ def _sync_rank(rank: int, world_size: int, rendezvous, model_dir: str, cpu: bool
             endpoint,
             bucket_mb=256,
             wire_dtype=weight_wire_dtype(generation_dtype("auto", device)),
+            delta=False,  # full syncs: the row is the transfer's bandwidth (the same weights go 3 times)
         )
         times = []
         for version in range(1, 4):

@@ -140,7 +140,9 @@ def main() -> None:
         host=args.host, port=args.port, rank=0, world_size=2, timeout_s=args.timeout_s
     )
     group = WeightSyncGroup(endpoint)
-    sender = WeightSender(group, model, bucket_bytes=4 << 20)  # returns once the engine has joined
+    # Changed-only syncs (float32 weights would go whole by default): the second sync sends only the
+    # bytes the first one left different (the sign bits), which the engine's worker applies to its copy.
+    sender = WeightSender(group, model, bucket_bytes=4 << 20, delta=True)  # returns once the engine joined
     log(f"engine joined the group after {time.monotonic() - t0:.1f}s")
     # Two syncs, as in training: first the weights negated (as `--policy-version - 1`: a policy that is
     # neither the served one nor the reference), then the reference weights themselves. Negation is exact,
@@ -155,6 +157,7 @@ def main() -> None:
             t.neg_()
     stats = sender.send(args.policy_version)
     log(f"sent policy_version {args.policy_version}: {stats}")
+    reference["second_sync"] = {"delta": stats.delta, "bytes": stats.bytes, "full_bytes": stats.full_bytes}
     # Rank 0 hosts the group's store: stay until the engine has loaded the weights and reported the
     # version it holds (the receiver writes it to the store after loading), then read it back.
     deadline = time.monotonic() + args.timeout_s

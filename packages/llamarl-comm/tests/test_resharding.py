@@ -44,9 +44,9 @@ class Block(torch.nn.Module):
         return (x + attn + mlp) * self.norm + self.odd.sum()
 
 
-def engine_layout(tp_rank: int) -> DestLayout:
+def engine_layout(tp_rank: int, dtype: torch.dtype = torch.float32) -> DestLayout:
     """The engine's view (vLLM-like names): fused column-parallel qkv / gate_up, row-parallel down."""
-    f32 = torch.float32
+    f32 = dtype
     return DestLayout.of(
         [
             fused(
@@ -233,3 +233,77 @@ def test_fsdp2_trainer_to_replicated_generators_through_relays_bitwise(
         for got in results[num_src:]:
             for name, want in trainer["fulls"][version_i].items():
                 assert torch.equal(got[version_i][name], want), (version_i, name)
+
+
+DELTA_SYNCS = 50
+
+
+def _sparse_step(model: torch.nn.Module, rank: int, sync: int) -> None:
+    """A random share of each local shard's elements moved (none to all, cycling), in place."""
+    g = torch.Generator().manual_seed(100 * sync + rank)
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            local = p.to_local() if hasattr(p, "to_local") else p
+            density = (0.0, 0.01, 0.05, 0.5, 1.0)[(sync + i) % 5]
+            mask = torch.rand(local.shape, generator=g) < density
+            local.add_((torch.randn(local.shape, generator=g) * 0.01 * mask).to(local.dtype))
+
+
+def _delta_worker(rank: int, world_size: int, rdv, transport: str, case: str):
+    """``DELTA_SYNCS`` changed-only syncs from an FSDP2 trainer of 2 ranks: ``tp``, bf16 weights as they
+    are to a tensor-parallel engine of 2 ranks with fused qkv, every slice in place (row slices from
+    the shards' memory, column slices packed first); ``replicas``, float32 weights as bf16 on the wire to
+    two replicas, each stream relayed along a chain (the two chains in opposite directions)."""
+    num_src, dtype = 2, torch.bfloat16 if case == "tp" else torch.float32
+    group = _sync_group(rank, world_size, rdv, transport)
+    if rank < num_src:
+        torch.manual_seed(0)
+        model = Block().to(dtype)
+        _fsdp2(model, rank, num_src, rdv)
+        wire = None if case == "tp" else torch.bfloat16
+        sender = WeightSender(
+            group, model, bucket_bytes=160, direct_min_bytes=0, wire_dtype=wire, anchor_every=16
+        )
+        model(torch.randn(2, H, dtype=dtype))  # FSDP2's lazy init, as a trainer's first step does
+        model.reshard()
+        out = {"delta": [], "fulls": []}
+        for sync in range(1, DELTA_SYNCS + 1):
+            _sparse_step(model, rank, sync)
+            out["delta"].append(sender.send(sync).delta)
+            out["fulls"].append({n: t.to(torch.bfloat16) for n, t in _full_state(model).items()})
+        for r in range(num_src, world_size):
+            group.get(f"test/done/{r}", timeout_s=60)
+        out["kinds"] = {(b.direct, b.src_copy) for s in sender.plan.streams for b in s.buckets}
+        out["chains"] = [s.chain for s in sender.plan.streams]
+        return out
+    if case == "tp":
+        layout = engine_layout(rank - num_src, dtype)
+        tensors = {name: torch.zeros(t.shape, dtype=dtype) for name, t in layout.tensors.items()}
+        receiver = WeightReceiver(group, tensors, layout=layout)
+    else:
+        tensors = {n: torch.zeros(p.shape, dtype=torch.bfloat16) for n, p in Block().named_parameters()}
+        receiver = WeightReceiver(group, tensors)
+    got = []
+    for sync in range(1, DELTA_SYNCS + 1):
+        assert receiver.receive() == sync
+        got.append({n: t.clone() for n, t in tensors.items()})
+    group.put(f"test/done/{rank}", True)
+    return got
+
+
+@pytest.mark.parametrize("case", ["tp", "replicas"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_delta_syncs_reshard_and_relay_bitwise(transport: str, case: str) -> None:
+    results = run_distributed(_delta_worker, 4, transport, case, timeout_s=150)
+    trainer = results[0]
+    assert trainer["delta"] == [i % 16 != 0 for i in range(DELTA_SYNCS)]
+    if case == "tp":
+        assert trainer["kinds"] == {(True, False), (True, True)}, trainer["kinds"]
+    else:
+        assert sorted(trainer["chains"]) == [(2, 3), (3, 2)], trainer["chains"]
+    for i, full in enumerate(trainer["fulls"]):
+        for rank in (2, 3):
+            got = results[rank][i]
+            want = expected_shards(full, rank - 2) if case == "tp" else full
+            for name, tensor in want.items():
+                assert torch.equal(got[name], tensor.to(got[name].dtype)), (i, rank, name)

@@ -375,10 +375,11 @@ def _fault_in_the_middle(host: str, port: int, named: dict, transport: str, faul
     time.sleep(60)  # alive (and beating) until killed
 
 
-def _mid_sync_fault_worker(rank: int, world_size: int, rdv, transport: str, fault: str):
+def _mid_sync_fault_worker(rank: int, world_size: int, rdv, transport: str, fault: str, delta: bool):
     """Rank 0 sends along the chain 0 -> 1 -> 2; rank 1 meets `fault` (see `_fault_in_the_middle`).
     Returns ranks 0 and 2's errors and how long their syncs took (rank 1: the exit code of its process,
-    killed once the others are done)."""
+    killed once the others are done). `delta`: a group of changed-only syncs (each bucket a header,
+    then its payload)."""
     # Frozen in transfer, rank 1 must leave rank 0's sends waiting: more bytes than a loopback
     # socket's buffers take in (gloo's send completes once its bytes are in the socket).
     side = 1024 if fault == "freeze-in-transfer" else 64
@@ -404,7 +405,7 @@ def _mid_sync_fault_worker(rank: int, world_size: int, rdv, transport: str, faul
     start = time.monotonic()
     try:
         if rank == 0:
-            WeightSender(group, named, bucket_bytes=4096).send(1)
+            WeightSender(group, named, bucket_bytes=4096, delta=delta).send(1)
         else:
             WeightReceiver(group, {k: torch.zeros_like(v) for k, v in named.items()}).receive()
         result = None
@@ -417,9 +418,16 @@ def _mid_sync_fault_worker(rank: int, world_size: int, rdv, transport: str, faul
     return result
 
 
-@pytest.mark.parametrize("fault", ["freeze", "freeze-in-transfer", "raise"])
+@pytest.mark.parametrize(
+    ("fault", "delta"),
+    [("freeze", False), ("freeze-in-transfer", False), ("raise", False), ("freeze-in-transfer", True),
+     ("raise", True)],
+    ids=["freeze", "freeze-in-transfer", "raise", "freeze-in-transfer-delta", "raise-delta"],
+)  # fmt: skip
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_a_fault_mid_sync_ends_the_sync_of_every_member_in_seconds(transport: str, fault: str) -> None:
+def test_a_fault_mid_sync_ends_the_sync_of_every_member_in_seconds(
+    transport: str, fault: str, delta: bool
+) -> None:
     """Rank 1, in the middle of the chain 0 -> 1 -> 2, freezes or raises at its first receive, or
     freezes as the bytes flow. NCCL never fails a transfer whose peer hangs or died, gloo only once the
     peer's socket closes (never for a frozen process), and a failed member leaves its peers' transfers
@@ -427,7 +435,7 @@ def test_a_fault_mid_sync_ends_the_sync_of_every_member_in_seconds(transport: st
     once its heartbeat has stood still for dead_after_s (1 s). Raised: rank 1 abandons the group's
     generation, and rank 0, waiting for rank 1 to say it is ready, ends at its next look at the store
     (every 0.2 s). None waits out the 30 s deadline."""
-    sender, exitcode, tail = run_distributed(_mid_sync_fault_worker, 3, transport, fault, timeout_s=90)
+    sender, exitcode, tail = run_distributed(_mid_sync_fault_worker, 3, transport, fault, delta, timeout_s=90)
     assert exitcode == -signal.SIGKILL  # still frozen, or alive, when the others were done
     for rank, result in ((0, sender), (2, tail)):
         assert result is not None, f"rank {rank} finished a sync that rank 1 never took part in"

@@ -193,12 +193,12 @@ def test_recomputed_log_probs_cost_a_fourth_forward_pass() -> None:
 
 
 def test_a_delta_sends_the_changed_weights_as_pairs_or_a_bitmap() -> None:
-    d = DeltaSync()  # 2% changed: (4-byte index, 2-byte value) pairs
-    assert d.change_density == 0.02 and d.wire_bytes_per_param(2.0) == pytest.approx(0.02 * 6)
+    d = DeltaSync()  # 1% changed: (4-byte index, 2-byte value) pairs
+    assert d.change_density == 0.01 and d.wire_bytes_per_param(2.0) == pytest.approx(0.01 * 6)
     assert DeltaSync(change_density=0.2).wire_bytes_per_param(2.0) == pytest.approx(1 / 8 + 0.2 * 2)
     assert DeltaSync(change_density=1.0).wire_bytes_per_param(2.0) == 2.0  # never more than dense
     anchored = DeltaSync(anchor_every=4).wire_bytes_per_param(2.0)
-    assert anchored == pytest.approx((2.0 + 3 * 0.12) / 4)
+    assert anchored == pytest.approx((2.0 + 3 * 0.06) / 4)
     assert DeltaSync(anchor_every=1).wire_bytes_per_param(2.0) == 2.0
 
 

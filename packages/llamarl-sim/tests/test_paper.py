@@ -120,6 +120,6 @@ def test_plan_prices_a_moe_model_its_delta_sync_and_its_failures(capsys: pytest.
     assert main(["plan", "--model", "qwen3-30b-a3b", "--gpus", "64"]) == 0
     out = capsys.readouterr().out
     assert f"{QWEN3_30B_A3B.params / 1e9:.1f}B parameters" in out and "MoE: 8 of 128 experts" in out
-    assert "As a delta (2% of weights changed per step" in out
+    assert "As a delta (1% of weights changed per step" in out
     assert "Restart from the last checkpoint" in out and "Trainer replica recovery (2 replicas" in out
     assert "Against the strongest synchronous baseline" in out

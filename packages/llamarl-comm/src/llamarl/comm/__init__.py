@@ -11,6 +11,8 @@ Public API:
   on every wait.
 - ``WeightSender`` / ``WeightReceiver``: ``sender.send(policy_version) -> SyncStats``,
   ``receiver.receive() -> policy_version``, in place or through an engine's loader (``load_fn``).
+  Changed-only syncs (``WeightSender(delta=..., anchor_every=...)``, on by default for bf16 or fp8 on
+  the wire): after a full sync only the bytes that changed travel (``llamarl.comm.delta``).
 - Layouts: ``replicated``, ``tp_shard``, ``fused``, ``DestLayout``, ``SourceLayout`` (FSDP2 DTensors read
   automatically); ``make_plan`` computes the transfer plan.
 - ``llamarl.comm.colocated``: ``ColocatedSender`` / ``ColocatedReceiver`` for an engine on the trainer's

@@ -4,8 +4,11 @@ ProcessGroupNCCL ignores tags: messages between two ranks match in the order eac
 every operation between a pair (both directions) runs on one stream, so an operation waits for the
 previous one with that peer. Both sides of a pair therefore post its messages in one order computed
 from the plan (``plan_lanes``): bucket index, then stream id, a stream's manifest (the trailers of its
-direct buckets) right after its last direct bucket. ``PairOrder`` posts a rank's messages in that
-order: a receive waits to be posted until this rank's earlier sends on that pair are, and vice versa.
+direct buckets) right after its last direct bucket. In a group that sends changed-only syncs every
+bucket is two messages instead, a fixed-size header then its payload, whose size only the header
+tells (``delta=True``); a payload that turns out empty is skipped by both sides. ``PairOrder`` posts a
+rank's messages in that order: a receive waits to be posted until this rank's earlier sends on that
+pair are, and vice versa.
 Tags stay unique per message, so gloo (and the NCCL-rules test transport) can check the pairing. The
 "receives posted" signal goes through the store, not through the pair, where it would queue behind
 the receives.
@@ -23,35 +26,46 @@ from llamarl.comm.buckets import BucketCopies
 from llamarl.comm.plan import Bucket, Stream, TransferPlan
 from llamarl.comm.transport import WeightSyncError, WeightSyncGroup
 
-MANIFEST_TAG = 0x8000  # tag bit of a stream's manifest (bucket indices stay below it)
+SECOND_TAG = 0x8000  # tag bit of a stream's manifest, or of a bucket's payload after its header
+
+# What a message carries (a full sync: a bucket, or a stream's manifest after its last direct bucket; a
+# changed-only group's sync: a bucket's header, then its payload), and its place among its bucket's.
+BUCKET, MANIFEST, HEADER, PAYLOAD = "bucket", "manifest", "header", "payload"
+_SECOND = {BUCKET: False, HEADER: False, MANIFEST: True, PAYLOAD: True}
 
 
 @dataclass(frozen=True, eq=False)
 class Message:
-    """One message this rank exchanges with a peer: a bucket of a stream, or the stream's manifest."""
+    """One message this rank exchanges with a peer: a bucket of a stream, the stream's manifest, or a
+    bucket's header or payload."""
 
     stream: Stream
     bucket: Bucket  # for a manifest: the stream's last direct bucket
-    manifest: bool
+    part: str  # BUCKET, MANIFEST, HEADER or PAYLOAD
     outgoing: bool  # this rank sends it (else receives it)
 
     @property
     def order(self) -> tuple[int, int, int]:
         """Position on its pair, the same on both sides."""
-        return (self.bucket.index, self.stream.stream_id, int(self.manifest))
+        return (self.bucket.index, self.stream.stream_id, int(_SECOND[self.part]))
 
     def __str__(self) -> str:
-        what = "manifest" if self.manifest else f"bucket {self.bucket.index}"
+        what = "manifest" if self.part == MANIFEST else f"{self.part} {self.bucket.index}"
         return f"{'send' if self.outgoing else 'receive'} of {what} of stream {self.stream.stream_id}"
 
     @property
+    def key(self) -> tuple[int, int, str]:
+        return (self.stream.stream_id, self.bucket.index, self.part)
+
+    @property
     def tag(self) -> int:
-        # Unique per message of a pair: plan.MAX_BUCKETS_PER_STREAM keeps the index below MANIFEST_TAG.
-        return (self.stream.stream_id << 16) | (MANIFEST_TAG if self.manifest else self.bucket.index)
+        # Unique per message of a pair: plan.MAX_BUCKETS_PER_STREAM keeps the index below SECOND_TAG.
+        return (self.stream.stream_id << 16) | (SECOND_TAG if _SECOND[self.part] else self.bucket.index)
 
 
-def plan_lanes(plan: TransferPlan, rank: int) -> dict[int, tuple[Message, ...]]:
-    """For each peer of ``rank``: the messages between them, in the order both post them."""
+def plan_lanes(plan: TransferPlan, rank: int, *, delta: bool = False) -> dict[int, tuple[Message, ...]]:
+    """For each peer of ``rank``: the messages between them, in the order both post them (``delta``:
+    the header and payload of every bucket, for a group that sends changed-only syncs)."""
     lanes: dict[int, list[Message]] = {}
     for stream in plan.streams:
         hops = [(stream.src, stream.chain[0]), *zip(stream.chain, stream.chain[1:], strict=False)]
@@ -59,10 +73,17 @@ def plan_lanes(plan: TransferPlan, rank: int) -> dict[int, tuple[Message, ...]]:
             if rank not in (sender, receiver):
                 continue
             peer, outgoing = (receiver, True) if rank == sender else (sender, False)
+            lane = lanes.setdefault(peer, [])
             for bucket in stream.buckets:
-                lanes.setdefault(peer, []).append(Message(stream, bucket, False, outgoing))
+                if delta:
+                    lane += [
+                        Message(stream, bucket, HEADER, outgoing),
+                        Message(stream, bucket, PAYLOAD, outgoing),
+                    ]
+                    continue
+                lane.append(Message(stream, bucket, BUCKET, outgoing))
                 if bucket.direct and bucket.index == stream.num_direct - 1:
-                    lanes[peer].append(Message(stream, bucket, True, outgoing))
+                    lane.append(Message(stream, bucket, MANIFEST, outgoing))
     return {peer: tuple(sorted(msgs, key=lambda m: m.order)) for peer, msgs in lanes.items()}
 
 
@@ -87,8 +108,10 @@ class PostedRecv:
     unpack: BucketCopies | None
 
 
-# Where a receive lands and the copies that unpack it; None: not yet (its staging slot is still busy).
-ReceiveTarget = Callable[[Message], tuple[torch.Tensor, BucketCopies | None] | None]
+# Where a receive lands and the copies that unpack it; None: not yet (its staging slot is still busy,
+# or its size is not known yet); SKIP: the message does not travel (an empty payload).
+SKIP = "skip"
+ReceiveTarget = Callable[[Message], tuple[torch.Tensor, BucketCopies | None] | str | None]
 
 
 class PairOrder:
@@ -114,7 +137,7 @@ class PairOrder:
         self.receive_target = receive_target
         self.posted: dict[int, int] = dict.fromkeys(lanes, 0)  # peer -> messages posted so far
         self.peers_ready: set[int] = set()  # downstream peers known to have posted their receives
-        self.recvs: dict[tuple[int, int, bool], PostedRecv] = {}  # (stream, bucket, manifest) -> receive
+        self.recvs: dict[tuple[int, int, str], PostedRecv] = {}  # (stream, bucket, part) -> receive
 
     def ready_key(self, rank: int) -> str:
         """The store key by which ``rank`` says it posted the receives it could before data flows."""
@@ -126,28 +149,10 @@ class PairOrder:
         msgs = self.lanes[peer]
         return msgs[i] if i < len(msgs) else None
 
-    def send(
-        self, stream: Stream, bucket: Bucket, payload: torch.Tensor, *, manifest: bool = False
-    ) -> Pending:
+    def send(self, stream: Stream, bucket: Bucket, payload: torch.Tensor, *, part: str = BUCKET) -> Pending:
         """Post a send down ``stream``: it must be the next message with that peer (receives before it
         are posted first); the first one waits until the peer has posted its receives."""
-        peer = stream.downstream(self.rank)
-        assert peer is not None
-        self.post_receives_ahead(peer)
-        msg = self.next(peer)
-        want = Message(stream, bucket, manifest, outgoing=True)
-        if msg is None or (msg.stream.stream_id, msg.bucket.index, msg.manifest, msg.outgoing) != (
-            stream.stream_id,
-            bucket.index,
-            manifest,
-            True,
-        ):
-            raise WeightSyncError(
-                f"rank {self.rank}: protocol error: the {want} to peer rank {peer} is not next on that "
-                f"pair ({msg or 'nothing'} is)",
-                peer=peer,
-                bucket=bucket.index,
-            )
+        peer, msg = self._next_send(stream, bucket, part)
         if peer not in self.peers_ready:
             self.group.get(self.ready_key(peer), peer=peer, in_sync=True)
             self.peers_ready.add(peer)
@@ -156,6 +161,28 @@ class PairOrder:
         self.post_receives_ahead(peer)  # receives that come after this send on the pair
         return pending
 
+    def skip_send(self, stream: Stream, bucket: Bucket, *, part: str) -> None:
+        """Pass over a message down ``stream`` that does not travel (an empty payload: its header said
+        so, and the peer skips its receive the same way)."""
+        peer, _ = self._next_send(stream, bucket, part)
+        self.posted[peer] += 1
+        self.post_receives_ahead(peer)
+
+    def _next_send(self, stream: Stream, bucket: Bucket, part: str) -> tuple[int, Message]:
+        peer = stream.downstream(self.rank)
+        assert peer is not None
+        self.post_receives_ahead(peer)
+        msg = self.next(peer)
+        want = Message(stream, bucket, part, outgoing=True)
+        if msg is None or (*msg.key, msg.outgoing) != (*want.key, True):
+            raise WeightSyncError(
+                f"rank {self.rank}: protocol error: the {want} to peer rank {peer} is not next on that "
+                f"pair ({msg or 'nothing'} is)",
+                peer=peer,
+                bucket=bucket.index,
+            )
+        return peer, msg
+
     def post_receives_ahead(self, peer: int) -> None:
         """Post the receives from ``peer`` that are next on the pair, as long as ``receive_target``
         has somewhere for them to land."""
@@ -163,16 +190,17 @@ class PairOrder:
             target = self.receive_target(msg)
             if target is None:
                 return
+            if target == SKIP:
+                self.posted[peer] += 1
+                continue
             payload, unpack = target
             work = self.group.recv(payload, peer, msg.tag, bucket=msg.bucket.index)
-            self.recvs[(msg.stream.stream_id, msg.bucket.index, msg.manifest)] = PostedRecv(
-                Pending(work, peer, msg.bucket.index), payload, unpack
-            )
+            self.recvs[msg.key] = PostedRecv(Pending(work, peer, msg.bucket.index), payload, unpack)
             self.posted[peer] += 1
 
-    def take_receive(self, stream: Stream, bucket: Bucket, *, manifest: bool = False) -> PostedRecv:
-        """The posted receive of ``bucket`` (or of the stream's manifest), handed over once."""
-        return self.recvs.pop((stream.stream_id, bucket.index, manifest))
+    def take_receive(self, stream: Stream, bucket: Bucket, *, part: str = BUCKET) -> PostedRecv:
+        """The posted receive of ``bucket``'s ``part`` (or of the stream's manifest), handed over once."""
+        return self.recvs.pop((stream.stream_id, bucket.index, part))
 
     def unposted(self) -> dict[int, int]:
         """Per peer, the messages of the sync never posted (all zeros once a sync ran whole)."""

@@ -19,12 +19,12 @@ from typing import Any
 
 import torch
 
-from llamarl.comm._lanes import Message, PairOrder, Pending, PostedRecv, plan_lanes
-from llamarl.comm._staging import NUM_SLOTS, SourceLocals, StagingCache, direct_len
+from llamarl.comm._lanes import MANIFEST, Message, Pending, PostedRecv
+from llamarl.comm._staging import NUM_SLOTS, SourceLocals, direct_len
+from llamarl.comm._sync_part import SyncPart
 from llamarl.comm.buckets import (
     TRAILER_BYTES,
     BucketCopies,
-    Checksummer,
     Trailer,
     bucket_packer,
     read_trailer,
@@ -32,41 +32,22 @@ from llamarl.comm.buckets import (
     trailers_bytes,
     write_trailer,
 )
-from llamarl.comm.plan import Bucket, Stream, TransferPlan
-from llamarl.comm.transport import WeightSyncError, WeightSyncGroup
+from llamarl.comm.plan import Bucket, Stream
+from llamarl.comm.transport import WeightSyncError
 
 
-class SyncTransfer:
+class SyncTransfer(SyncPart):
     """This rank's part of one sync, created for that sync: its posted receives, pending sends and
     checksums. ``run()`` goes through the steps: post receives, start direct sends, then each bucket
     of the schedule (source or destination side), then wait for what is still in flight."""
 
     def __init__(
-        self,
-        *,
-        group: WeightSyncGroup,
-        plan: TransferPlan,
-        staging: StagingCache,
-        checksum_stride: int,
-        sync_index: int,
-        policy_version: int,
-        locals_: SourceLocals | None,
-        dst_tensors: dict[str, torch.Tensor] | None,
+        self, *, locals_: SourceLocals | None, dst_tensors: dict[str, torch.Tensor] | None, **common: Any
     ) -> None:
-        self.group = group
-        self.rank = group.rank
-        self.plan = plan
-        self.staging = staging
-        self.checksum_stride = checksum_stride  # 0: checksums off
-        self.sync_index = sync_index
-        self.policy_version = policy_version
+        super().__init__(delta=False, **common)
         self.locals_ = locals_
         self.dst_tensors = dst_tensors
-        self.src_views = staging.source_views(locals_) if locals_ is not None else {}
-        lanes = staging.views.get(("lanes",))
-        if lanes is None:
-            lanes = staging.views[("lanes",)] = plan_lanes(plan, self.rank)
-        self.pairs = PairOrder(group, lanes, sync_index=sync_index, receive_target=self._receive_target)
+        self.src_views = self.staging.source_views(locals_) if locals_ is not None else {}
         # (stream, slot) -> a slot's send, waited before the slot is reused
         self.slot_sends: dict[tuple[int, int], Pending] = {}
         self.loose_sends: list[Pending] = []  # sends from tensors' memory: waited at the end
@@ -182,7 +163,7 @@ class SyncTransfer:
         the destination tensors, a packed one in its staging slot once that slot is free (else None)."""
         stream, bucket = msg.stream, msg.bucket
         assert self.dst_tensors is not None
-        if msg.manifest:
+        if msg.part == MANIFEST:
             return self.staging.manifest(stream), None
         if bucket.direct:
             return self.staging.direct_target(stream, bucket, self.dst_tensors)
@@ -234,7 +215,7 @@ class SyncTransfer:
             sync_index=self.sync_index,
             device=self.group.device,
         )
-        self.loose_sends.append(self.pairs.send(stream, last_direct, manifest, manifest=True))
+        self.loose_sends.append(self.pairs.send(stream, last_direct, manifest, part=MANIFEST))
 
     # ----------------------------------------------------------------------------------------------
     # Destination side
@@ -253,10 +234,10 @@ class SyncTransfer:
         )
         if bucket.index != stream.num_direct - 1:
             return
-        manifest = self.pairs.take_receive(stream, bucket, manifest=True)
+        manifest = self.pairs.take_receive(stream, bucket, part=MANIFEST)
         manifest.pending.wait(self.group, "receiving the manifest")
         if stream.downstream(self.rank) is not None:
-            self.loose_sends.append(self.pairs.send(stream, bucket, manifest.payload, manifest=True))
+            self.loose_sends.append(self.pairs.send(stream, bucket, manifest.payload, part=MANIFEST))
         direct = stream.buckets[: stream.num_direct]
         self._verify(self.received_direct.pop(sid), read_trailers(manifest.payload), direct, stream, upstream)
 
@@ -320,15 +301,3 @@ class SyncTransfer:
         pending = self.slot_sends.pop(key, None)
         if pending is not None:
             pending.wait(self.group, "sending weights")
-
-    def _checksum(
-        self, cache: dict[Any, Any], key: tuple[Any, ...], payload: torch.Tensor
-    ) -> torch.Tensor | None:
-        # Taken right after a payload was written or read (sent, packed, received) while its bytes are
-        # still in cache: later, summing a spot-check stride reads DRAM as much as a copy does.
-        if not self.checksum_stride:
-            return None
-        summer = cache.get(key)
-        if summer is None:
-            summer = cache[key] = Checksummer(payload, self.checksum_stride)
-        return summer(self.sync_index)

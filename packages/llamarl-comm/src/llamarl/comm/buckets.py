@@ -33,8 +33,10 @@ __all__ = [
     "box_bytes",
     "bucket_checksum",
     "bucket_packer",
+    "bucket_repacker",
     "bucket_unpacker",
     "checksum_tensor",
+    "holds_exactly",
     "pack_bucket",
     "read_trailer",
     "read_trailers",
@@ -134,12 +136,17 @@ class BucketCopies:
     def __init__(self) -> None:
         self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (to, from): a plain copy or a cast
         self.calls: list[Callable[[], None]] = []  # entries that are more than a copy (fp8)
+        # The alignment padding after each entry, zeroed: a bucket's bytes are then a function of its
+        # values alone, as a delta and its checksum need (and no stale memory goes on the wire).
+        self.gaps: list[torch.Tensor] = []
 
     def run(self) -> None:
         for to, from_ in self.pairs:
             to.copy_(from_)
         for call in self.calls:
             call()
+        for gap in self.gaps:
+            gap.zero_()
 
 
 def _source_region(entry: Entry, local: torch.Tensor, local_offsets: tuple[int, ...]) -> torch.Tensor:
@@ -166,6 +173,21 @@ def _fp8_views(buf_u8: torch.Tensor, entry: Entry) -> tuple[torch.Tensor, torch.
     scales = buf_u8[at : at + 4 * rows].view(torch.float32)
     values = buf_u8[at + 4 * rows : at + 4 * rows + math.prod(entry.sizes)].view(torch.float8_e4m3fn)
     return scales, values.view(rows, -1)
+
+
+def _data_bytes(entry: Entry) -> int:
+    """Bytes of an entry's values in a bucket (its ``nbytes`` less the alignment padding)."""
+    numel = math.prod(entry.sizes)
+    if entry.wire == FP8:
+        return 4 * _fp8_rows(entry.sizes) + numel
+    dtype = dtype_from_str(entry.src_dtype) if entry.wire == "raw" else torch.bfloat16
+    return numel * dtype.itemsize
+
+
+def _gap(buf_u8: torch.Tensor, entry: Entry) -> list[torch.Tensor]:
+    start, end = entry.byte_offset + _data_bytes(entry), entry.byte_offset + entry.nbytes
+    end = min(end, buf_u8.numel())  # (a direct bucket's buffer may end with its values)
+    return [buf_u8[start:end]] if end > start else []
 
 
 def _pack_fp8(scales: torch.Tensor, values: torch.Tensor, region: torch.Tensor) -> None:
@@ -200,6 +222,7 @@ def bucket_packer(
             copies.calls.append(functools.partial(_pack_fp8, *_fp8_views(buf_u8, entry), region))
         else:
             copies.pairs.append((_wire_view(buf_u8, entry), region))
+        copies.gaps += _gap(buf_u8, entry)
     return copies
 
 
@@ -216,6 +239,33 @@ def bucket_unpacker(
             copies.calls.append(functools.partial(_unpack_fp8, target, *_fp8_views(buf_u8, entry)))
         else:
             copies.pairs.append((target, _wire_view(buf_u8, entry)))
+    return copies
+
+
+def holds_exactly(wire: torch.dtype, dtype: torch.dtype) -> bool:
+    """Whether a tensor of ``dtype`` holds every value of ``wire`` exactly (its bits come back on a cast
+    back): the same dtype, or a wider float of the same family (bf16 / fp16 in float32 or float64)."""
+    wider = {torch.bfloat16: (torch.float32, torch.float64), torch.float16: (torch.float32, torch.float64)}
+    return dtype == wire or dtype in wider.get(wire, ()) or (wire, dtype) == (torch.float32, torch.float64)
+
+
+def bucket_repacker(
+    buf_u8: torch.Tensor, bucket: Bucket, dst_tensors: dict[str, torch.Tensor]
+) -> BucketCopies | None:
+    """The copies that rebuild a bucket's wire bytes in ``buf_u8`` from the destination tensors it was
+    unpacked into (the inverse of ``bucket_unpacker``, bit for bit), or None when a destination cannot
+    give its wire values back (fp8 entries, a narrower dtype). Valid while tensors and buffer stay."""
+    copies = BucketCopies()
+    for entry in bucket.entries:
+        _check_wire(entry)
+        target = dst_tensors[entry.dst_name][_box(entry.dst_offsets, entry.sizes)]
+        if entry.wire == FP8:
+            return None
+        wire = _wire_view(buf_u8, entry)
+        if not holds_exactly(wire.dtype, target.dtype):
+            return None
+        copies.pairs.append((wire, target))
+        copies.gaps += _gap(buf_u8, entry)
     return copies
 
 

@@ -104,6 +104,7 @@ class SourceLayout:
     bucket_bytes: int = 64 << 20  # payload bytes per bucket (all source ranks must agree)
     checksum: int = 64  # bucket checksum over every n-th int64 word (1: all of them), 0: none
     direct_min_bytes: int = 256 << 10  # contiguous slices at least this big go zero-copy
+    anchor_every: int = 0  # 0: every sync full; k: changed-only syncs, every k-th one full (delta.py)
 
     def to_json(self) -> dict[str, Any]:
         """Plain data for the store."""
@@ -113,6 +114,7 @@ class SourceLayout:
             "bucket_bytes": self.bucket_bytes,
             "checksum": self.checksum,
             "direct_min_bytes": self.direct_min_bytes,
+            "anchor_every": self.anchor_every,
             "tensors": [asdict(t) for t in self.tensors.values()],
         }
 
@@ -135,6 +137,7 @@ class SourceLayout:
             bucket_bytes=int(data.get("bucket_bytes", 64 << 20)),
             checksum=int(data.get("checksum", 64)),
             direct_min_bytes=int(data.get("direct_min_bytes", 256 << 10)),
+            anchor_every=int(data.get("anchor_every", 0)),
         )
 
 

@@ -35,6 +35,14 @@ class WeightReceiver:
     (``meta`` tensors are fine): the receiver assembles each tensor in a staging buffer of its own and,
     once the whole sync is verified, calls ``load_fn`` once with an iterable of ``(name, tensor)`` pairs.
 
+    In a group of changed-only syncs (the sender's ``delta``, on by default for bf16 or fp8 on the
+    wire) a sync may carry only the bytes that changed since the last one: they are applied to the
+    tensors as the last sync left them (or to ``load_fn``'s staging copies), so an engine must not
+    write into them between syncs; if it does, the next delta is refused by checksum, naming the
+    sender, and the sync after it is a full one. This costs no memory where the tensors hold the wire
+    values exactly (the wire dtype, or bf16 into float32); with fp8 on the wire the receiver keeps a
+    copy of its wire bytes (scales and values, about one byte per weight).
+
     The group's ``endpoint.src_rank`` must be one of the plan's sources (checked here). A receiver
     constructed after its group already ran (a restarted process with the same rank) rejoins: it asks
     for a new group generation, and the next ``send`` re-forms the group and delivers the latest weights.
@@ -125,5 +133,6 @@ class WeightReceiver:
         return stats.policy_version
 
     def close(self) -> None:
-        """Release buffers (the group is closed by its owner)."""
+        """Release buffers (the group is closed by its owner); a later sync would be a full one."""
         self._membership.staging.clear()
+        self._membership.held_sync = None  # (the shadows went with the buffers)

@@ -232,7 +232,7 @@ def _weight_sync_lines(
         f"  Weight sync: {model.params * 2 / 1e9:.1f} GB of bf16 weights per replica, "
         f"{d.weight_sync.replace('_', ' ')} in {best.times.weight_sync_s:.2f} s per step; gathered on one "
         f"device and broadcast it would take {gathered:.1f} s.",
-        f"  As a delta ({delta.change_density:.0%} of weights changed per step, PULSE arXiv 2602.03839; "
+        f"  As a delta ({delta.change_density:.0%} of weights changed per step, measured at RL lr; "
         f"{wire:.3f} bytes per parameter): {model.params * wire / 1e9:.1f} GB in {as_delta:.2f} s.",
     ]
 

@@ -53,14 +53,17 @@ def open_sender(
     *,
     bucket_mb: int,
     wire_dtype: torch.dtype | None,
+    delta: bool | None = None,
 ) -> tuple[WeightSyncGroup, WeightSender]:
     """A trainer rank's end: joins the group `endpoint` describes as a source of `model`'s weights (its
     FSDP2 shards, if sharded), or of the tensors of a {name: tensor} mapping. On NCCL the buckets are
-    packed on this rank's current GPU."""
+    packed on this rank's current GPU. `delta`: changed-only syncs (None: llamarl.comm's default, on
+    for bf16 or fp8 on the wire)."""
     device = torch.device("cuda", torch.cuda.current_device()) if endpoint.backend == "nccl" else None
     group = WeightSyncGroup(endpoint, device=device)
     try:
-        return group, WeightSender(group, model, bucket_bytes=bucket_mb << 20, wire_dtype=wire_dtype)
+        sender = WeightSender(group, model, bucket_bytes=bucket_mb << 20, wire_dtype=wire_dtype, delta=delta)
+        return group, sender
     except BaseException:
         group.close()
         raise
