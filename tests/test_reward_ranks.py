@@ -44,7 +44,7 @@ def reward_args(model: Path, reward_model: Path, out: Path, mode: str) -> list[s
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("mode", "generators"), [("sync", 1), ("async", 1), ("stream", 2)])
+@pytest.mark.parametrize(("mode", "generators"), [("async", 1), ("stream", 2)])
 def test_reward_rank_scores_between_generator_and_trainer(
     tiny_model_dir, tiny_reward_model_dir, tmp_path, mode, generators
 ):

@@ -356,7 +356,7 @@ def test_app_trains_lora_adapters_and_saves_the_merged_model(tiny_model_dir, gsm
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("fault", ["1:1", "0:2", "1:1:kill"])
+@pytest.mark.parametrize("fault", ["0:2", "1:1:kill"])
 def test_a_failing_rank_ends_the_run_with_its_error_once(tiny_model_dir, gsm8k_dir, tmp_path, fault):
     out = tmp_path / "out"
     result = run_app(

@@ -13,9 +13,11 @@ itself, `connect_weight_sync`, as a generator rank does). The story:
    sync's 60 s deadline;
 4. `restart_engine()`: the new engine is alive, reports the initial version, the generator's
    `policy_version` is None and `generate` refuses (`WeightsNotSyncedError`);
-5. the trainer sends version 3; the same receiver object's `receive()` gets it into the new engine,
+5. `serve_initial_weights()`: it samples the checkpoint as version 0 until the next sync;
+6. the trainer sends version 3; the same receiver object's `receive()` gets it into the new engine,
    which reports 3, and its behaviour log-probs equal the trainer's log_softmax(logits / T) within 1e-3
-   (and are far from those of the checkpoint the new engine started from).
+   (and are far from those of the checkpoint the new engine started from); a second restart is refused
+   (max_engine_restarts=1) and leaves the engine running.
 
 Marked `vllm`: the workspace's conftest.py builds the vLLM environment first when it is missing.
 """
@@ -114,7 +116,14 @@ def _prompts(model_dir: str) -> list[list[int]]:
 
 
 def _generator_rank(rdv, model_dir: str, vllm_python: str) -> dict:
-    from llamarl.exec import EngineLost, GeneratorConfig, SamplingConfig, VLLMGenerator, WeightsNotSyncedError
+    from llamarl.exec import (
+        EngineError,
+        EngineLost,
+        GeneratorConfig,
+        SamplingConfig,
+        VLLMGenerator,
+        WeightsNotSyncedError,
+    )
 
     prompts = _prompts(model_dir)
     gen = VLLMGenerator(
@@ -176,6 +185,12 @@ def _generator_rank(rdv, model_dir: str, vllm_python: str) -> dict:
             out["refused_unsynced"] = False
         except WeightsNotSyncedError:
             out["refused_unsynced"] = True
+        # Until the trainer's next sync, the new engine may serve the checkpoint it started from, as
+        # policy_version 0, when told so (a run whose trainer never sent weights does that).
+        gen.serve_initial_weights()
+        out["initial_batch_versions"] = sorted(
+            set(gen.generate(prompts, samples_per_prompt=1, max_new_tokens=4).policy_version_B.tolist())
+        )
         touch(rdv, "restarted")
 
         gen.receive_weights(SYNC_TIMEOUT_S)  # the new engine rejoined the same group under rank 1
@@ -185,6 +200,12 @@ def _generator_rank(rdv, model_dir: str, vllm_python: str) -> dict:
         out["batch_versions"] = sorted(set(batch.policy_version_B.tolist()))
         publish(rdv, "batch.pt", batch)
         out["num_engine_restarts"] = gen.num_engine_restarts
+        try:  # one restart allowed (max_engine_restarts=1): a second is refused, the engine left alone
+            gen.restart_engine()
+            out["second_restart"] = "allowed"
+        except EngineError as exc:
+            out["second_restart"] = str(exc)
+        out["alive_after_refusal"] = gen.engine_alive()
     finally:
         gen.close()
         touch(rdv, "generator_done")
@@ -225,10 +246,12 @@ def test_a_killed_engine_is_restarted_and_gets_the_latest_weights():
     assert generator["version_after_restart"] is None  # alive, but no synced weights yet
     assert generator["engine_version_after_restart"] == 0  # the checkpoint it started from
     assert generator["refused_unsynced"]
+    assert generator["initial_batch_versions"] == [0]
 
     assert generator["synced_version"] == 3 and generator["engine_version"] == 3
     assert generator["batch_versions"] == [3]
     assert generator["num_engine_restarts"] == 1
+    assert "max_engine_restarts=1" in generator["second_restart"] and generator["alive_after_refusal"]
     assert trainer["held"] == {1: 3}
     assert trainer["diff_latest"] < 1e-3, trainer["diff_latest"]
     assert trainer["diff_initial"] > 1e-2, trainer["diff_initial"]  # the comparison can fail
