@@ -12,6 +12,11 @@ missing, it is built here once, before any test runs (a few minutes; later runs 
 reuse it from ~/.cache/llamarl), so that `uv run pytest` in a fresh clone runs every test and never skips
 one. A build that fails stops the session with the command to run by hand.
 
+A run that names no generator chooses one by what decodes faster here (`generator.backend` auto), reading
+probes cached on this machine (~/.cache/llamarl/generator_probes.json). The suite's runs see none: the
+session gets a cache folder of its own (LLAMARL_CACHE_DIR), so what a test runs does not depend on what
+this machine ran before; the vLLM environment is still found (and built) where it always is.
+
 The header of every run names the CPU and the flags that decide which kernels run (`CPU_FLAGS`), so that
 a failure in CI says which hardware it came from.
 """
@@ -20,8 +25,10 @@ from __future__ import annotations
 
 import os
 import platform
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -32,6 +39,7 @@ RULE = "the suite runs every test: a skip is a failure here"
 # a failure report names the hardware it came from.
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 SETUP_SCRIPT = Path(__file__).resolve().parent / "tools" / "setup_vllm_env.sh"
+SUITE_CACHE = pytest.StashKey[str]()
 
 
 def pytest_report_header(config: pytest.Config) -> str:
@@ -58,6 +66,21 @@ def _cores() -> int | None:
         return os.cpu_count()
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # a worker inherits the controller's environment
+    from llamarl.exec.generate.vllm.env import DEFAULT_VLLM_ENV_NAME, VLLM_PYTHON_ENV, cache_dir
+
+    # Named before the cache folder moves: the environment stays where it is built once per machine.
+    os.environ.setdefault(VLLM_PYTHON_ENV, str(cache_dir() / DEFAULT_VLLM_ENV_NAME / "bin" / "python"))
+    os.environ["LLAMARL_CACHE_DIR"] = config.stash[SUITE_CACHE] = tempfile.mkdtemp(prefix="llamarl-suite-")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if SUITE_CACHE in config.stash:
+        shutil.rmtree(config.stash[SUITE_CACHE], ignore_errors=True)
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     if not any(item.get_closest_marker("vllm") for item in session.items):
         return
@@ -75,7 +98,9 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         flush=True,
     )
     start = time.monotonic()
-    result = subprocess.run(["bash", str(SETUP_SCRIPT), "--quiet"], capture_output=True, text=True)
+    target = Path(os.environ[VLLM_PYTHON_ENV]).parents[1]  # the environment's folder (pytest_configure)
+    command = ["bash", str(SETUP_SCRIPT), "--quiet", str(target)]
+    result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
         raise pytest.UsageError(
             f"building the vLLM environment for the vLLM tests failed; run `{fix}` to see why "

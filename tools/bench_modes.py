@@ -16,15 +16,19 @@ The bf16 FLOP floor of a training step: 6 x parameters x tokens forwarded (each 
 every completion token) over the rate of a bf16 matrix product of the trainer's shapes measured here
 with the trainer's threads (all cores in sync mode, their share otherwise).
 
-Defaults are the issue's benchmark: SmolLM2-135M-Instruct, 4 prompts x 4 samples x 128 new tokens, 6
-steps, no evaluation. The issue's targets: tokens/s >= 3x TRL at the same precision, peak memory <= 1/2
-of TRL's, train time <= 1.5x the floor. Figures need an otherwise idle machine; `uptime` before and
-after (printed) says whether it was.
+Defaults are the benchmark's work: SmolLM2-135M-Instruct, 4 prompts x 4 samples x 128 new tokens, 6 steps,
+no evaluation; TRL as it ships (bf16, gradient checkpointing), without gradient checkpointing, and in
+fp32; and first a row "defaults" that names no mode, generator or precision: what a user gets (its
+generator is chosen by `generator.backend` auto, and the line it printed is shown). The defaults row is
+compared with TRL's fastest setting of the run, and its memory with TRL's at its defaults. The CPU (model,
+cores, the flags that decide the kernels) is printed first. Figures need an otherwise idle machine;
+`uptime` before and after (printed) says whether it was.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -40,37 +44,56 @@ def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
-def run_llamarl(mode: str, generator: str, precision: str, args: argparse.Namespace, out: Path) -> dict:
+def run_llamarl(
+    mode: str | None, generator: str | None, precision: str | None, args: argparse.Namespace, out: Path
+) -> dict:
+    """One run of the GSM8K app on the benchmark's work; None for mode, generator or precision leaves that
+    setting at its default (the "defaults" row: what a user who names none of them runs)."""
     command = [
-        sys.executable, str(REPO / "apps" / "gsm8k_rl"), "--mode", mode,
+        sys.executable, str(REPO / "apps" / "gsm8k_rl"),
         "--output-dir", str(out), "--steps", str(args.steps),
         "--prompts-per-step", str(args.prompts_per_step),
         "--samples-per-prompt", str(args.samples_per_prompt),
         "--max-new-tokens", str(args.max_new_tokens), "--eval-size", "0", "--no-wandb", "--no-save-model",
-        "--max-policy-lag", str(args.max_policy_lag), "--generator", generator,
-        "--trainer.precision", precision, "--generator.precision", precision,
+        "--max-policy-lag", str(args.max_policy_lag),
     ]  # fmt: skip
+    if mode is not None:
+        command += ["--mode", mode]
+    if generator is not None:
+        command += ["--generator", generator]
+    if precision is not None:
+        command += ["--trainer.precision", precision, "--generator.precision", precision]
     if args.model:
         command += ["--model", args.model]
     if args.data:
         command += ["--data", args.data]
     command += args.extra
-    log(f"llamarl {mode} {generator} {precision}: {' '.join(command[1:])}")
+    name = " ".join(x or "default" for x in (mode, generator, precision))
+    log(f"llamarl {name}: {' '.join(command[1:])}")
     result = subprocess.run(
         command, capture_output=True, text=True, env={**os.environ, "WANDB_SILENT": "true"}
     )
     if result.returncode != 0:
-        raise SystemExit(f"llamarl {mode} {generator} {precision} failed:\n{result.stderr[-3000:]}")
+        raise SystemExit(f"llamarl {name} failed:\n{result.stderr[-3000:]}")
     summary = json.loads((out / "summary.json").read_text())
-    log(f"llamarl {mode} {generator} {precision}: done in {summary['wall_s']:.0f} s")
+    chose = [line for line in result.stdout.splitlines() if line.startswith("generator: ")]
+    summary["generator_line"] = chose[0] if chose else ""
+    log(f"llamarl {name}: done in {summary['wall_s']:.0f} s {summary['generator_line']}")
     return summary
 
 
-def run_trl(precision: str, args: argparse.Namespace, out: Path) -> dict:
+TRL_SETTINGS = {
+    "bf16": ["--precision", "bf16"],  # as it ships: bf16 autocast, gradient checkpointing
+    "bf16-no-checkpointing": ["--precision", "bf16", "--no-gradient-checkpointing"],
+    "fp32": ["--precision", "fp32"],
+}
+
+
+def run_trl(setting: str, args: argparse.Namespace, out: Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     command = [
         "uv", "run", "--with", f"trl=={args.trl_version}", str(REPO / "tools" / "bench_trl.py"),
-        "--precision", precision, "--steps", str(args.steps),
+        *TRL_SETTINGS[setting], "--steps", str(args.steps),
         "--prompts-per-step", str(args.prompts_per_step),
         "--samples-per-prompt", str(args.samples_per_prompt),
         "--max-new-tokens", str(args.max_new_tokens), "--json", str(out / "figures.json"),
@@ -79,12 +102,12 @@ def run_trl(precision: str, args: argparse.Namespace, out: Path) -> dict:
         command += ["--model", args.model]
     if args.data:
         command += ["--data", args.data]
-    log(f"TRL {precision}: {' '.join(command)}")
+    log(f"TRL {setting}: {' '.join(command)}")
     result = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
     if result.returncode != 0:
-        raise SystemExit(f"TRL {precision} failed:\n{result.stderr[-3000:]}")
+        raise SystemExit(f"TRL {setting} failed:\n{result.stderr[-3000:]}")
     figures = json.loads((out / "figures.json").read_text())
-    log(f"TRL {precision}: done, loop {figures['loop_s']:.0f} s")
+    log(f"TRL {setting}: done, loop {figures['loop_s']:.0f} s")
     return figures
 
 
@@ -178,6 +201,27 @@ def figures(summary: dict, out: Path, args: argparse.Namespace) -> dict[str, flo
     }
 
 
+def cpu_line() -> str:
+    """This machine's CPU: model, cores and the flags that decide the kernels (printed with every table)."""
+    from llamarl.exec.generate.choice import this_hardware
+
+    hardware = this_hardware(cuda=False)
+    flags = set()
+    with contextlib.suppress(OSError):
+        line = next(x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("flags"))
+        flags = set(line.partition(":")[2].split())
+    shown = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
+    return f"CPU: {hardware.cpu_model}, {hardware.cores} cores, flags {' '.join(shown) or 'none of note'}"
+
+
+def fastest(trl: dict[str, dict]) -> dict | None:
+    """TRL's setting with the most completion tokens a second in this run (its name under "setting")."""
+    if not trl:
+        return None
+    setting = max(trl, key=lambda k: trl[k]["gen_tokens_per_s"])
+    return {**trl[setting], "setting": setting}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
@@ -187,6 +231,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--generators", nargs="+", default=["hf", "vllm"], choices=["hf", "vllm"])
     p.add_argument("--no-trl", dest="trl", action="store_false", help="llamarl only")
     p.add_argument("--trl-version", default="1.16.0")
+    p.add_argument(
+        "--trl-settings", nargs="+", default=list(TRL_SETTINGS), choices=list(TRL_SETTINGS),
+        help="TRL as it ships (bf16), without gradient checkpointing, in fp32",
+    )  # fmt: skip
+    p.add_argument(
+        "--no-defaults", dest="defaults", action="store_false",
+        help="leave out the row that runs what a user gets (no mode, generator or precision named)",
+    )  # fmt: skip
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--prompts-per-step", type=int, default=4)
     p.add_argument("--samples-per-prompt", type=int, default=4)
@@ -199,40 +251,42 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("extra", nargs=argparse.REMAINDER, help="after --: more app flags for every llamarl run")
     args = p.parse_args(argv)
     args.extra = [a for a in args.extra if a != "--"]
+    print(cpu_line(), flush=True)
     load_before = os.getloadavg()
     trl: dict[str, dict] = {}
     if args.trl:
-        for precision in args.precisions:
-            trl[precision] = run_trl(precision, args, args.output_dir / f"trl_{precision}")
+        for setting in args.trl_settings:
+            trl[setting] = run_trl(setting, args, args.output_dir / f"trl_{setting}")
     from llamarl.exec import smollm2_path
 
     floor = FlopFloor(args.model or str(smollm2_path()))
     cores = os.cpu_count() or 1
+    runs = [(mode, gen, prec) for gen in args.generators for prec in args.precisions for mode in args.modes]
+    if args.defaults:
+        runs.insert(0, (None, None, None))
     rows: dict[str, dict] = {}
-    for generator in args.generators:
-        for precision in args.precisions:
-            for mode in args.modes:
-                name = f"{mode} {generator} {precision}"
-                out = args.output_dir / f"{mode}_{generator}_{precision}"
-                summary = run_llamarl(mode, generator, precision, args, out)
-                row = figures(summary, out, args)
-                threads = (
-                    cores
-                    if mode == "sync"
-                    else max(1, cores // (summary["num_trainers"] + summary["num_generators"]))
-                )
-                row["floor_s"] = floor.seconds(summary, out, threads)
-                row["train_over_floor"] = row["train_s"] / row["floor_s"]
-                base = trl.get(precision)
-                row["x_trl_tokens"] = row["tokens_per_s"] / base["gen_tokens_per_s"] if base else float("nan")
-                row["x_trl_memory"] = (
-                    row["peak_gb"] * 1024 / base["peak_rss_mb_total"] if base else float("nan")
-                )
-                row["x_trl_pss"] = (
-                    row["peak_pss_gb"] * 1024 / base["peak_pss_mb_total"] if base else float("nan")
-                )
-                row["memory_per_process"] = summary["memory_per_process"]
-                rows[name] = row
+    for mode, generator, precision in runs:
+        name = "defaults" if mode is None else f"{mode} {generator} {precision}"
+        out = args.output_dir / name.replace(" ", "_")
+        summary = run_llamarl(mode, generator, precision, args, out)
+        row = figures(summary, out, args)
+        row["generator_line"] = summary["generator_line"]
+        threads = (
+            cores
+            if summary.get("mode", mode) == "sync"
+            else max(1, cores // (summary["num_trainers"] + summary["num_generators"]))
+        )
+        row["floor_s"] = floor.seconds(summary, out, threads)
+        row["train_over_floor"] = row["train_s"] / row["floor_s"]
+        # Against TRL at the same precision; the defaults against TRL's fastest setting of the run.
+        base = trl.get(precision) if precision else fastest(trl)
+        row["x_trl_tokens"] = row["tokens_per_s"] / base["gen_tokens_per_s"] if base else float("nan")
+        row["x_trl_memory"] = row["peak_gb"] * 1024 / base["peak_rss_mb_total"] if base else float("nan")
+        row["x_trl_pss"] = row["peak_pss_gb"] * 1024 / base["peak_pss_mb_total"] if base else float("nan")
+        if precision is None and "bf16" in trl:  # memory: at most TRL's at its defaults
+            row["x_trl_pss_defaults"] = row["peak_pss_gb"] * 1024 / trl["bf16"]["peak_pss_mb_total"]
+        row["memory_per_process"] = summary["memory_per_process"]
+        rows[name] = row
     load_after = os.getloadavg()
     print(f"\nload average before: {' '.join(f'{x:.1f}' for x in load_before)}; after: "
           f"{' '.join(f'{x:.1f}' for x in load_after)}; bf16 matmul GFLOP/s by threads: "
@@ -240,8 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\n| run | s/step | completion tok/s | x TRL tok/s | peak GB (sum of peak RSS) | x TRL "
           "| peak GB (PSS at once) | x TRL |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")
-    for precision, t in trl.items():
-        print(f"| TRL GRPOTrainer {precision} | {t['step_s']:.1f} | {t['gen_tokens_per_s']:.1f} | 1.00 | "
+    for setting, t in trl.items():
+        print(f"| TRL GRPOTrainer {setting} | {t['step_s']:.1f} | {t['gen_tokens_per_s']:.1f} | 1.00 | "
               f"{t['peak_rss_mb_total'] / 1024:.1f} | 1.00 | "
               f"{t['peak_pss_mb_total'] / 1024:.1f} | 1.00 |")  # fmt: skip
     for name, r in rows.items():
@@ -260,8 +314,22 @@ def main(argv: list[str] | None = None) -> int:
     for name, t in [*((f"TRL {p}", t) for p, t in trl.items()), *rows.items()]:
         parts = ", ".join(f"{m['process']} {m['peak_rss_mb'] / 1024:.2f}" for m in t["memory_per_process"])
         print(f"  {name}: {parts}")
+    if "defaults" in rows:
+        r = rows["defaults"]
+        base = fastest(trl)
+        print(f"\ndefaults: {r['generator_line']}")
+        if base:
+            print(f"defaults: {r['x_trl_tokens']:.2f}x the fastest TRL setting's tokens/s "
+                  f"({base['setting']}); PSS {r.get('x_trl_pss_defaults', float('nan')):.2f}x TRL's "
+                  f"at its defaults; step / bound {r['step_over_bound']:.2f}")  # fmt: skip
     if args.json:
-        record = {"args": vars(args), "trl": trl, "llamarl": rows, "load": [load_before, load_after]}
+        record = {
+            "cpu": cpu_line(),
+            "args": vars(args),
+            "trl": trl,
+            "llamarl": rows,
+            "load": [load_before, load_after],
+        }
         args.json.write_text(json.dumps(record, indent=2, default=str) + "\n")
     return 0
 

@@ -9,7 +9,8 @@ TRL is not a project dependency; run it with it added for the one command:
 What each step does there: generate 4 prompts x 4 samples with transformers' generate, score them with
 llamarl's GSM8K checker (the same rule), then one optimizer step over the 16 completions (TRL's
 defaults otherwise: DAPO loss, no KL, activation checkpointing on). `--precision bf16` is TRL's default
-(`bf16=True`: autocast over float32 weights), `fp32` turns it off. Figures: the training loop's wall
+(`bf16=True`: autocast over float32 weights), `fp32` turns it off; `--no-gradient-checkpointing` turns off
+TRL's activation checkpointing (faster, more memory). Figures: the training loop's wall
 time (`trainer.train()`, after the model is loaded), completion tokens generated per second over it (the
 completions' mean length from TRL's own per-step log), and the peak RSS of every process of the run
 (llamarl.control.launch.memory, as llamarl's runs count theirs).
@@ -29,6 +30,7 @@ from pathlib import Path
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--precision", choices=["fp32", "bf16"], default="bf16")
+    p.add_argument("--no-gradient-checkpointing", dest="checkpointing", action="store_false")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--prompts-per-step", type=int, default=4)
     p.add_argument("--samples-per-prompt", type=int, default=4)
@@ -71,6 +73,7 @@ def main() -> int:
             output_dir=output_dir,
             use_cpu=True,
             bf16=args.precision == "bf16",
+            gradient_checkpointing=args.checkpointing,
             per_device_train_batch_size=args.samples_per_prompt,
             gradient_accumulation_steps=args.prompts_per_step,  # one optimizer step per 16 completions
             num_generations=args.samples_per_prompt,
@@ -96,6 +99,7 @@ def main() -> int:
     figures = {
         "framework": "trl",
         "precision": args.precision,
+        "gradient_checkpointing": args.checkpointing,
         "steps": len(logs),
         "loop_s": loop_s,
         "step_s": loop_s / max(len(logs), 1),

@@ -84,3 +84,43 @@ def test_a_script_task_is_recorded_by_its_file_and_its_config_reruns_it_from_any
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == f"{task.name} Say {{word}}."
+
+
+def test_a_run_that_names_no_generator_gets_one_said_in_one_line_and_recorded(
+    tiny_chat_model_dir, tmp_path, monkeypatch
+):
+    """`generator.backend` auto: the rule's choice replaces it in the config (which config.toml writes),
+    with one line saying why; a probe cached for this machine and model decides without measuring."""
+    from llamarl.control.launch.generator_choice import choose_generator, run_workload
+    from llamarl.exec.generate.choice import Rates, this_hardware
+    from llamarl.exec.generate.probe import ProbeCache, probe_key
+
+    monkeypatch.setenv("LLAMARL_CACHE_DIR", str(tmp_path))  # no probe of this machine yet
+    vllm_python = sys.executable  # an interpreter is all the rule looks at (the engine never starts)
+    flags = ["--model", str(tiny_chat_model_dir), "--generator.vllm-python", vllm_python, "--steps", "3"]
+    flags += ["--output-dir", str(tmp_path / "out")]
+    config = parse_run_config(flags, task="arith", prog="arith_rl", description="")
+    assert config.generator.backend == "auto"
+    said: list[str] = []
+    chosen = choose_generator(config, say=said.append)
+    # A tiny model decodes a 3-step run in well under a second with the hf generator: nothing to gain.
+    assert chosen.generator.backend == "hf" and len(said) == 1 and said[0].startswith("generator: hf (")
+    (tmp_path / "out").mkdir()
+    write_resolved_config(chosen)
+    recorded = tomllib.loads((tmp_path / "out" / "config.toml").read_text())
+    assert recorded["generator"]["backend"] == "hf"
+
+    # This machine measured vLLM 3x as fast on this model: a long run takes it, without a probe.
+    long_run = replace_in(config, **{"schedule.steps": 100_000})
+    hardware = this_hardware(cuda=False)
+    key = probe_key(hardware, long_run.model, run_workload(long_run), vllm_python)
+    ProbeCache().put(key, Rates(1000.0, 3000.0, measured="probed here"))
+    said.clear()
+    assert choose_generator(long_run, say=said.append).generator.backend == "vllm"
+    assert said == [said[0]] and "3.0x the hf generator here (probed here)" in said[0]
+
+    # Named, it is never changed; LoRA adapters rule vLLM out.
+    named = replace_in(long_run, **{"generator.backend": "hf"})
+    assert choose_generator(named, say=said.append) is named
+    lora = replace_in(long_run, **{"trainer.lora.rank": 8})
+    assert choose_generator(lora, say=print).generator.backend == "hf"

@@ -7,7 +7,8 @@ own alike.
     raise SystemExit(main(TASK))       # a script whose flags are the run's settings (--steps 4, --help)
 
 Everything a run needs is checked here, before any rank starts: the settings, the task (its functions
-must reach the ranks and reward workers), the model, the generator's environment and the rows; each
+must reach the ranks and reward workers), the model, the generator (chosen here when the settings name
+none: `llamarl.control.launch.generator_choice`) and its environment, and the rows; each
 problem is one line (`ConfigError`, `TaskError`, `DataError`), which `main` prints and exits 2 with.
 """
 
@@ -91,6 +92,7 @@ def run(config: RunConfig, task: Task, resolve_data: DataResolver | None = None)
     """Resolves the model and the rows of a validated config, then launches this machine's ranks, or,
     under torchrun, runs this process's rank. Returns what the job left here (None on a torchrun rank
     other than the first trainer rank)."""
+    from llamarl.control.launch.generator_choice import choose_generator
     from llamarl.control.launch.launcher import launch, run_this_rank, under_torchrun
 
     eval_size_given = "size" in config.eval.model_fields_set  # before replace_in sets every field
@@ -98,11 +100,13 @@ def run(config: RunConfig, task: Task, resolve_data: DataResolver | None = None)
     if resolve_data is not None:
         changes["task.data"] = resolve_data(config, task)
     config = replace_in(config, **changes)
-    check_generator(config)
     check_context(config)
     train_rows = load_rows(task, config.task.data, "train")
     test_rows = load_rows(task, config.task.data, "test") if config.eval.size else []
     config = fit_eval_size(config, len(test_rows), given=eval_size_given)
+    # generator.backend auto: the backend chosen here (and said) is the one config.toml records.
+    config = choose_generator(config)
+    check_generator(config)
     if under_torchrun():  # this process is one rank
         return run_this_rank(config, train_rows, test_rows, task)
     return launch(config, train_rows, test_rows, task)

@@ -135,9 +135,13 @@ class TrainerConfig(ConfigSection):
 class GeneratorConfig(ConfigSection):
     """The generator backend and its engine."""
 
-    backend: Literal["hf", "vllm"] = "hf"
+    backend: Literal["auto", "hf", "vllm"] = "auto"
     """hf: transformers' generate in the rank; vllm: a vLLM engine per generator rank, in its own process
-    (on CUDA this environment with llamarl-exec[vllm]; on the CPU the one tools/setup_vllm_env.sh builds)"""
+    (on CUDA this environment with llamarl-exec[vllm]; on the CPU the one tools/setup_vllm_env.sh builds);
+    auto: vllm where it is installed and, on the CPU, decodes this model faster here by enough to pay for
+    its engine's start (and its environment's build, when not built yet) within the run; hf otherwise.
+    The run prints what it chose and why, and records it in its config.toml
+    (`llamarl.exec.generate.choice`)"""
     precision: Precision = "auto"
     """weights and compute of the generators: bf16, fp32, or auto: bf16 where the device computes it fast
     (as trainer.precision); weights travel to them in it"""
