@@ -110,6 +110,24 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     print(f"built in {time.monotonic() - start:.0f} s: {os.environ[VLLM_PYTHON_ENV]}", file=sys.stderr)
 
 
+def _expected_weight(item: pytest.Item) -> int:
+    """How long a test is likely to take, coarsely: a real vLLM engine, then a whole run of processes (the
+    workspace's top-level tests/) or the real model, then the rest."""
+    if item.get_closest_marker("vllm"):
+        return 2
+    e2e = Path(str(item.path)).is_relative_to(Path(__file__).resolve().parent / "tests")
+    return 1 if e2e or item.get_closest_marker("integration") else 0
+
+
+def pytest_collection_modifyitems(
+    session: pytest.Session, config: pytest.Config, items: list[pytest.Item]
+) -> None:
+    # The long tests first, the short ones last (a stable sort: files keep their order within a weight):
+    # the two workers then end on short tests, instead of one of them idling while the other runs a
+    # minute-long test that happened to be collected last.
+    items.sort(key=_expected_weight, reverse=True)
+
+
 def _reason(report: pytest.TestReport | pytest.CollectReport) -> str:
     """The reason a report gives for its skip (pytest keeps it as (path, line, message) or as text)."""
     if getattr(report, "wasxfail", None) is not None:
