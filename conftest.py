@@ -122,10 +122,15 @@ def _expected_weight(item: pytest.Item) -> int:
 def pytest_collection_modifyitems(
     session: pytest.Session, config: pytest.Config, items: list[pytest.Item]
 ) -> None:
-    # The long tests first, the short ones last (a stable sort: files keep their order within a weight):
-    # the two workers then end on short tests, instead of one of them idling while the other runs a
-    # minute-long test that happened to be collected last.
-    items.sort(key=_expected_weight, reverse=True)
+    # The long tests first, the short ones last (a stable sort: files keep their order within a weight),
+    # dealt out in turn to the workers' shares: xdist's worksteal gives each worker one contiguous share
+    # of this list, runs it from its front and steals from its back. Each worker so starts on its half of
+    # the long tests and ends on short ones, instead of one idling while the other runs a minute-long test
+    # that happened to be collected last.
+    ordered = sorted(items, key=_expected_weight, reverse=True)
+    workers = config.getoption("numprocesses", default=None)
+    shares = workers if isinstance(workers, int) and workers > 1 else 1
+    items[:] = [item for share in range(shares) for item in ordered[share::shares]]
 
 
 def _reason(report: pytest.TestReport | pytest.CollectReport) -> str:
