@@ -76,8 +76,9 @@ def run_llamarl(
     if result.returncode != 0:
         raise SystemExit(f"llamarl {name} failed:\n{result.stderr[-3000:]}")
     summary = json.loads((out / "summary.json").read_text())
+    # The choice is the last such line (a probe or a build, when one ran, is said first).
     chose = [line for line in result.stdout.splitlines() if line.startswith("generator: ")]
-    summary["generator_line"] = chose[0] if chose else ""
+    summary["generator_line"] = chose[-1] if chose else ""
     log(f"llamarl {name}: done in {summary['wall_s']:.0f} s {summary['generator_line']}")
     return summary
 
