@@ -28,7 +28,6 @@ cores, the flags that decide the kernels) is printed first. Figures need an othe
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import subprocess
@@ -206,13 +205,7 @@ def cpu_line() -> str:
     """This machine's CPU: model, cores and the flags that decide the kernels (printed with every table)."""
     from llamarl.exec.generate.choice import this_hardware
 
-    hardware = this_hardware(cuda=False)
-    flags = set()
-    with contextlib.suppress(OSError):
-        line = next(x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("flags"))
-        flags = set(line.partition(":")[2].split())
-    shown = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
-    return f"CPU: {hardware.cpu_model}, {hardware.cores} cores, flags {' '.join(shown) or 'none of note'}"
+    return this_hardware(cuda=False).describe()
 
 
 def fastest(trl: dict[str, dict]) -> dict | None:

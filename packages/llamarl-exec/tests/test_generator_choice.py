@@ -118,6 +118,10 @@ def test_the_priors_predict_the_decode_rates_they_were_measured_at() -> None:
     assert rates.hf_tokens_per_s == pytest.approx(126, rel=0.01)
     assert rates.ratio == pytest.approx(2.4)
     assert prior(AVX2, "bfloat16").vllm_ratio is None
+    flagged = Hardware(
+        cuda=False, cpu_model="AMD EPYC", cores=2, avx512_bf16=True, flags=("avx2", "avx512_bf16")
+    )
+    assert flagged.describe() == "CPU: AMD EPYC, 2 cores, flags avx2 avx512_bf16"
 
 
 def test_model_parameters_are_read_from_the_safetensors_headers(tiny_model_dir) -> None:

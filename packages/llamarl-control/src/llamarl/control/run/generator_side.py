@@ -16,9 +16,7 @@ import torch
 import torch.distributed as dist
 
 from llamarl.comm import WeightSyncEndpoint
-from llamarl.control.config import RunConfig
 from llamarl.control.launch.devices import generation_dtype
-from llamarl.control.launch.progress import ProgressMark
 from llamarl.control.run import checkpoint as ckpt
 from llamarl.control.run.channels.rollouts import PendingBatch, send_rollouts
 from llamarl.control.run.channels.stream import RolloutOutbox, StreamControl
@@ -54,17 +52,8 @@ class GeneratorSide(Side):
     eval_sampler: TaskSampler
     loop: GeneratorLoop  # built with the channels
 
-    def __init__(
-        self,
-        config: RunConfig,
-        train_examples: list[dict],
-        eval_examples: list[dict],
-        *,
-        rank: int,
-        progress: ProgressMark | None = None,
-    ) -> None:
-        super().__init__(config, train_examples, eval_examples, rank=rank, progress=progress)
-        self.reward_rank = config.reward_rank_of(rank)  # where this rank's batches go to be scored
+    def init_state(self) -> None:
+        self.reward_rank = self.config.reward_rank_of(self.rank)  # where this rank's batches go to be scored
         self._pending: PendingBatch | None = None  # async mode: the batch made, not yet sent
 
     @property

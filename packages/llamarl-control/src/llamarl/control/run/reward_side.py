@@ -26,8 +26,6 @@ import torch
 import torch.distributed as dist
 
 from llamarl.comm import WeightSyncEndpoint
-from llamarl.control.config import RunConfig
-from llamarl.control.launch.progress import ProgressMark
 from llamarl.control.run import checkpoint as ckpt
 from llamarl.control.run.channels.rollouts import (
     CHECKPOINT_MARKER,
@@ -56,19 +54,10 @@ class RewardSide(Side):
     scores_log: TextIO | None = None
     source: TaskPrompts  # built by setup(): the task's questions and references, to score against
 
-    def __init__(
-        self,
-        config: RunConfig,
-        train_examples: list[dict],
-        eval_examples: list[dict],
-        *,
-        rank: int,
-        progress: ProgressMark | None = None,
-    ) -> None:
-        super().__init__(config, train_examples, eval_examples, rank=rank, progress=progress)
+    def init_state(self) -> None:
         # Only its map from data-order positions to examples is used (the same order on every rank).
         self.order = PromptStream(
-            self.prompt_order, prompts_per_step=config.schedule.prompts_per_step, generator_index=0,
+            self.prompt_order, prompts_per_step=self.config.schedule.prompts_per_step, generator_index=0,
             num_generators=1,
         )  # fmt: skip
         self._scored: dict[int, PendingBatch] = {}  # async mode: by generator, scored, not yet forwarded

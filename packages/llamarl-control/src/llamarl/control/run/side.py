@@ -177,6 +177,11 @@ class Side(SideHooks):
         self._evaluations = 0  # evaluations so far (every rank counts the same)
         self._eval_progress: EvalProgress | None = None  # the evaluation under way
         self.prompt_order = data_order(len(train_examples), config.seed)  # the same on every rank
+        self.init_state()
+
+    def init_state(self) -> None:
+        """The side's own state before setup(), from `config` and `rank` (a subclass's part of
+        `__init__`, whose arguments every side takes the same)."""
 
     # ----------------------------------------------------------------------------------------------
     # lifecycle

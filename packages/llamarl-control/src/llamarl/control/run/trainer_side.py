@@ -18,10 +18,8 @@ from typing import Any, TextIO
 import torch
 
 from llamarl.comm import WeightSender, WeightSyncEndpoint, WeightSyncGroup
-from llamarl.control.config import RunConfig
 from llamarl.control.launch.devices import generation_dtype, trainer_compute_dtype, weight_wire_dtype
 from llamarl.control.launch.failures import last_checkpoint_note
-from llamarl.control.launch.progress import ProgressMark
 from llamarl.control.outputs.metrics import MetricsLogger
 from llamarl.control.outputs.report import write_report
 from llamarl.control.outputs.summary import build_summary, write_summary
@@ -55,16 +53,7 @@ class TrainerSide(Side):
     loop: TrainerLoop
     logger: MetricsLogger  # first trainer rank
 
-    def __init__(
-        self,
-        config: RunConfig,
-        train_examples: list[dict],
-        eval_examples: list[dict],
-        *,
-        rank: int,
-        progress: ProgressMark | None = None,
-    ) -> None:
-        super().__init__(config, train_examples, eval_examples, rank=rank, progress=progress)
+    def init_state(self) -> None:
         self.step_records: list[dict[str, float]] = []  # first trainer rank: every step's metrics
         self.evaluations: list[EvalResult] = []  # first trainer rank: every evaluation, in order
         # Lock step: (this rank's part, the whole batch on the first rank) arrived, not yet trained on.

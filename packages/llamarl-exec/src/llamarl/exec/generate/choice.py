@@ -75,6 +75,7 @@ class Hardware:
     cores: int = 1
     avx512_bf16: bool = False
     amx: bool = False
+    flags: tuple[str, ...] = ()  # of `NOTABLE_FLAGS`, those /proc/cpuinfo lists
 
     @property
     def kind(self) -> str:
@@ -85,6 +86,14 @@ class Hardware:
     def fingerprint(self) -> str:
         """What a probe's result belongs to: the CPU, its cores and its kind."""
         return f"{self.cpu_model} x{self.cores} {self.kind}"
+
+    def describe(self) -> str:
+        """One line for a benchmark's output: "CPU: AMD EPYC, 2 cores, flags avx2 avx512f avx512_bf16"."""
+        return f"CPU: {self.cpu_model}, {self.cores} cores, flags {' '.join(self.flags) or 'none of note'}"
+
+
+NOTABLE_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+"""The CPU flags that decide which kernels run (bf16 dot products, bf16 matrix tiles)."""
 
 
 def this_hardware(*, cuda: bool) -> Hardware:
@@ -103,7 +112,10 @@ def this_hardware(*, cuda: bool) -> Hardware:
         pass
     bf16 = "avx512_bf16" in flags or getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
     amx = "amx_bf16" in flags or getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
-    return Hardware(cuda=cuda, cpu_model=model, cores=os.cpu_count() or 1, avx512_bf16=bf16, amx=amx)
+    notable = tuple(f for f in NOTABLE_FLAGS if f in flags)
+    return Hardware(
+        cuda=cuda, cpu_model=model, cores=os.cpu_count() or 1, avx512_bf16=bf16, amx=amx, flags=notable
+    )
 
 
 def model_parameters(folder: Path) -> int:
