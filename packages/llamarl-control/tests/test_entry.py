@@ -1,6 +1,6 @@
 """What `llamarl.control.entry` settles before any rank starts: the evaluation's size against the test
-split, the completion budget against the model's context, and where a task given in code is recorded so
-that its run's config.toml reruns it."""
+split, the completion budget against the model's context, routing replay against the model, and where
+a task given in code is recorded so that its run's config.toml reruns it."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 from llamarl.control.cli import parse_run_config
 from llamarl.control.config import ConfigError, replace_in
-from llamarl.control.entry import check_context, configure, fit_eval_size
+from llamarl.control.entry import check_model, configure, fit_eval_size
 from llamarl.control.launch.output_dir import write_resolved_config
 from llamarl.control.tasks.registry import task_origin
 
@@ -49,12 +49,46 @@ def test_a_completion_budget_beyond_the_models_context_is_one_line(tiny_chat_mod
     config = parse_run_config(
         ["--model", str(tiny_chat_model_dir)], task="arith", prog="arith_rl", description=""
     )
-    check_context(config)  # the default fits
+    check_model(config)  # the default fits
     too_long = replace_in(config, **{"sampling.max_new_tokens": 1_000_000})
     with pytest.raises(
         ConfigError, match=r"^--max-new-tokens 1000000 does not fit the model's context of \d+"
     ):
-        check_context(too_long)
+        check_model(too_long)
+
+
+def test_routing_replay_that_cannot_work_is_one_line_before_any_rank_starts(tiny_chat_model_dir, tmp_path):
+    from llamarl.exec.models import tiny_moe_model
+
+    def config(model, *flags):
+        return parse_run_config(
+            ["--model", str(model), *flags], task="arith", prog="arith_rl", description=""
+        )
+
+    check_model(config(tiny_chat_model_dir))  # a dense model: auto replays nothing
+    with pytest.raises(
+        ConfigError, match=r"routing_replay r3: .* is not a mixture of experts \(nothing to replay\)$"
+    ):
+        check_model(config(tiny_chat_model_dir, "--algorithm.routing-replay", "r3"))
+    moe = tmp_path / "moe"
+    tiny_moe_model("olmoe", 64).save_pretrained(moe)
+    check_model(config(moe, "--generator", "hf"))
+    check_model(config(moe, "--num-trainers", "2", "--trainer.expert-parallel"))
+    for flags, message in [
+        (["--num-trainers", "2", "--trainer.expert-parallel"], "is not a mixture of experts"),
+        (["--trainer.expert-parallel"], "give --num-trainers 2 or more"),
+        (
+            ["--num-trainers", "3", "--prompts-per-step", "3", "--trainer.expert-parallel"],
+            "4 experts per layer cannot be split evenly over 3",
+        ),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            check_model(config(tiny_chat_model_dir if "not a mixture" in message else moe, *flags))
+    for replay in ("auto", "off"):
+        with pytest.raises(
+            ConfigError, match=r"^--generator vllm: .* mixture of experts, .* use --generator hf$"
+        ):
+            check_model(config(moe, "--generator", "vllm", "--algorithm.routing-replay", replay))
 
 
 def test_a_script_task_is_recorded_by_its_file_and_its_config_reruns_it_from_anywhere(tmp_path):

@@ -8,13 +8,14 @@ the tokens of the same request run in one go, every token keeping the version th
 from __future__ import annotations
 
 import io
+from functools import partial
 
 import pytest
 import torch
 
 from llamarl.control.run.in_flight import InFlightRequest
 from llamarl.exec import HFGenerator, SamplingConfig
-from llamarl.exec.models import tiny_model
+from llamarl.exec.models import tiny_model, tiny_moe_model
 from llamarl.exec.types import GenerationPaused, PauseGeneration
 
 pytestmark = pytest.mark.timeout(120)
@@ -24,10 +25,12 @@ PROMPTS = [[1, 5, 9, 13, 17], [1, 7], [1, 3, 4, 30, 31, 32, 33, 8]]
 STOPS = [EOS, 50, 51]  # several stop tokens: some completions end early, others run to the limit
 
 
-@pytest.fixture(scope="module")
-def generator(tmp_path_factory):
+@pytest.fixture(scope="module", params=["llama", "qwen3_moe"])
+def generator(tmp_path_factory, request):
+    """The hf generator of a tiny dense model, or of a tiny mixture of experts (its routes recorded)."""
     path = tmp_path_factory.mktemp("tiny")
-    tiny_model(64, eos_token_id=EOS, pad_token_id=0, seed=0).save_pretrained(path)
+    build = tiny_model if request.param == "llama" else partial(tiny_moe_model, request.param)
+    build(64, eos_token_id=EOS, pad_token_id=0, seed=0).save_pretrained(path)
     gen = HFGenerator(str(path), SamplingConfig(temperature=0.7), seed=0, eos_token_ids=STOPS)
     gen.setup()
     yield gen
@@ -79,6 +82,13 @@ def test_a_paused_request_saved_and_continued_ends_as_if_never_paused(generator)
         rtol=0,
     )
     assert torch.equal(continued.prompt_ids_BP, whole.prompt_ids_BP)
+    # A mixture of experts' routes went with the tokens through the checkpoint: those the continuation
+    # forwarded again (same weights) are the ones the uninterrupted request recorded.
+    assert continued.has_routes == whole.has_routes
+    if whole.has_routes:
+        assert torch.equal(continued.prompt_routes_BPLK, whole.prompt_routes_BPLK)
+        routes = continued.completion_routes_BCLK[:, : mask.shape[1]]
+        assert torch.equal(routes[mask], whole.completion_routes_BCLK[mask])
 
 
 def test_a_request_paused_twice_keeps_the_version_of_every_token(generator):

@@ -1,6 +1,7 @@
 """PolicyTrainer on 2 trainer ranks (FSDP2 over gloo, one process each) against a single-rank trainer on
 the same batch: the same gradient, and after the same steps bitwise the same weights, read by a generator
-rank straight from the FSDP2 shards through llamarl.comm."""
+rank straight from the FSDP2 shards through llamarl.comm. A mixture of experts too (its expert tensors
+sharded by FSDP2 like every other; its generator's routes replayed on each rank's part)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,32 @@ pytestmark = pytest.mark.timeout(300)
 
 NUM_TRAINERS = 2
 PROMPTS = [[1, 5, 9, 13, 17], [1, 7], [1, 3, 4, 30, 31, 32, 33, 8], [1, 11, 12]]
+
+
+@pytest.fixture(scope="module")
+def moe_model_dir(tmp_path_factory) -> str:
+    """A tiny Qwen3-MoE (4 experts, 2 per token), vocab 64 (eos 2, pad 0)."""
+    from llamarl.exec.models import tiny_moe_model
+
+    path = tmp_path_factory.mktemp("tiny_moe")
+    tiny_moe_model("qwen3_moe", 64, eos_token_id=2, pad_token_id=0, seed=0).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def moe_batch(moe_model_dir):
+    """The tiny MoE's rollout of PROMPTS (2 samples each, its routes recorded), rewards as `batch`'s."""
+    from llamarl.exec import HFGenerator, SamplingConfig
+
+    generator = HFGenerator(moe_model_dir, SamplingConfig(), seed=5, eos_token_ids=[2, 50])
+    generator.setup()
+    rollout = generator.generate(PROMPTS, samples_per_prompt=2, max_new_tokens=10)
+    generator.close()
+    rollout.rewards_B = torch.tensor([1.0, 0.0, 0.0, 1.0] * 2)
+    return rollout
+
+
+MODELS = {"dense": ("tiny_model_dir", "batch"), "moe": ("moe_model_dir", "moe_batch")}
 
 
 @pytest.fixture(scope="module")
@@ -70,9 +97,21 @@ def _budget_with_unequal_micro_batches(batch) -> int:
 
 
 @pytest.mark.parametrize(
-    "layout", ["padded", "shared", "packed", "packed_shared", "packed_unequal", "checkpointed"]
+    ("layout", "model"),
+    [
+        *((layout, "dense") for layout in ("padded", "shared", "packed", "packed_shared", "packed_unequal")),
+        ("checkpointed", "dense"),
+        ("packed_shared", "moe"),
+        ("packed_shared", "moe-expert-parallel"),
+        ("checkpointed", "moe-expert-parallel"),  # the recompute runs the all-to-alls again, in backward
+    ],
 )
-def test_two_rank_gradient_equals_the_single_rank_gradient(tiny_model_dir, batch, layout):
+def test_two_rank_gradient_equals_the_single_rank_gradient(request, layout, model):
+    """FSDP2 (and, for a mixture of experts, expert parallelism: each rank holds half the experts and
+    the tokens go to them) gives the single rank's gradient, loss and norm."""
+    tiny_model_dir, batch = (
+        request.getfixturevalue(name) for name in MODELS[model.removesuffix("-expert-parallel")]
+    )
     # "packed_unequal": one rank's budget gives it fewer micro-batches; it must split into as many as
     # the other's (FSDP2 runs collectives in every pass), else this would hang until the timeout.
     overrides = {
@@ -83,6 +122,8 @@ def test_two_rank_gradient_equals_the_single_rank_gradient(tiny_model_dir, batch
         "packed_unequal": {"pack_tokens": _budget_with_unequal_micro_batches(batch)},
         "checkpointed": {"pack_tokens": 40, "activation_checkpointing": True},  # activation checkpointing
     }[layout]
+    if model.endswith("-expert-parallel"):
+        overrides = {**overrides, "expert_parallel": True}
     grads, metrics, norm = run_distributed(
         _grad_worker, NUM_TRAINERS, str(tiny_model_dir), batch, overrides, timeout_s=240
     )[0]
@@ -100,8 +141,9 @@ def test_two_rank_gradient_equals_the_single_rank_gradient(tiny_model_dir, batch
 NUM_STEPS = 2
 
 
-def _sync_worker(rank: int, world_size: int, rdv, model_dir: str, batch):
-    """Ranks 0..1 train under FSDP2 and send their shards; rank 2 holds a plain copy and receives them."""
+def _sync_worker(rank: int, world_size: int, rdv, model_dir: str, batch, expert_parallel: bool):
+    """Ranks 0..1 train under FSDP2 (experts sharded by expert with `expert_parallel`) and send their
+    shards; rank 2 holds a plain copy and receives them."""
     import torch.distributed as dist
 
     from llamarl.comm import WeightReceiver, WeightSender, WeightSyncEndpoint, WeightSyncGroup
@@ -114,14 +156,15 @@ def _sync_worker(rank: int, world_size: int, rdv, model_dir: str, batch):
     # max_grad_norm large: clipping then scales by exactly 1.0, so the weights can agree bit for bit.
     settings = {"max_grad_norm": 1e9}
     if rank < NUM_TRAINERS:
-        trainer = _trainer(model_dir, group, **settings)
+        trainer = _trainer(model_dir, group, expert_parallel=expert_parallel, **settings)
         trainer.setup()
         sender = WeightSender(sync_group, trainer.model, bucket_bytes=4096)
         part = batch.data_parallel_part(rank, NUM_TRAINERS)
         for _ in range(NUM_STEPS):
             trainer.train_step(part)
             sender.send(trainer.policy_version)
-        return None
+        sent = trainer.full_state_dict()  # (a collective: rank 0 gets the whole weights)
+        return sent if rank == 0 else None
     from transformers import AutoModelForCausalLM
 
     generator_model = AutoModelForCausalLM.from_pretrained(model_dir)
@@ -145,14 +188,32 @@ def tiny_model_params(model_dir: str) -> dict[str, torch.Tensor]:
     return dict(AutoModelForCausalLM.from_pretrained(model_dir).named_parameters())
 
 
-def test_generator_receives_bitwise_the_single_rank_weights(tiny_model_dir, batch):
-    version, received, expected, initial = run_distributed(
-        _sync_worker, NUM_TRAINERS + 1, str(tiny_model_dir), batch, timeout_s=240
-    )[NUM_TRAINERS]
+@pytest.mark.parametrize("model", ["dense", "moe", "moe-expert-parallel"])
+def test_generator_receives_bitwise_the_single_rank_weights(request, model):
+    tiny_model_dir, batch = (
+        request.getfixturevalue(name) for name in MODELS[model.removesuffix("-expert-parallel")]
+    )
+    results = run_distributed(
+        _sync_worker,
+        NUM_TRAINERS + 1,
+        str(tiny_model_dir),
+        batch,
+        model.endswith("-expert-parallel"),
+        timeout_s=240,
+    )
+    sent, (version, received, expected, initial) = results[0], results[NUM_TRAINERS]
     assert version == NUM_STEPS
     assert set(received) == set(expected)
-    mismatched = [n for n in expected if not torch.equal(received[n], expected[n])]
-    assert not mismatched, mismatched
+    # What the generator holds is, to the bit, what the trainer ranks hold between them.
+    assert not [n for n in expected if not torch.equal(received[n], sent[n])]
+    if model.endswith("-expert-parallel"):
+        # The experts' outputs are summed in another order than the single rank's loop over experts:
+        # the same weights as its to float rounding (AdamW's first steps magnify a gradient's last bits).
+        for name in expected:
+            torch.testing.assert_close(received[name], expected[name], atol=1e-4, rtol=1e-4, msg=name)
+    else:
+        mismatched = [n for n in expected if not torch.equal(received[n], expected[n])]
+        assert not mismatched, mismatched
     assert all(not torch.equal(expected[n], initial[n]) for n in expected)  # every weight did move
 
 

@@ -100,7 +100,7 @@ def run(config: RunConfig, task: Task, resolve_data: DataResolver | None = None)
     if resolve_data is not None:
         changes["task.data"] = resolve_data(config, task)
     config = replace_in(config, **changes)
-    check_context(config)
+    check_model(config)
     train_rows = load_rows(task, config.task.data, "train")
     test_rows = load_rows(task, config.task.data, "test") if config.eval.size else []
     config = fit_eval_size(config, len(test_rows), given=eval_size_given)
@@ -198,9 +198,15 @@ def fit_eval_size(config: RunConfig, test_rows: int, *, given: bool) -> RunConfi
     return replace_in(config, **{"eval.size": test_rows})
 
 
-def check_context(config: RunConfig) -> None:
-    """Refuses, in one line before any rank starts, a completion budget the model's context cannot hold."""
+def check_model(config: RunConfig) -> None:
+    """Refuses, in one line before any rank starts, what the model cannot do: a completion budget its
+    context cannot hold, routing replay it cannot have (`llamarl.exec.moe.routes.check_routing`: replay
+    of a dense model, a mixture of experts whose router has no recorder), a mixture of experts on a
+    generator or with adapters that do not serve one yet."""
     from transformers import AutoConfig
+
+    from llamarl.exec.moe.routes import check_routing, num_experts
+    from llamarl.exec.train.expert_parallel import check_expert_parallel
 
     try:
         model_config = AutoConfig.from_pretrained(config.model)
@@ -221,6 +227,30 @@ def check_context(config: RunConfig) -> None:
             f"--max-new-tokens {config.sampling.max_new_tokens} does not fit the model's context of "
             f"{context} tokens ({config.model}): give at most {context - 1}, less the prompt's length"
         )
+    try:
+        check_routing(model_config, config.algorithm.routing_replay, model=config.model)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    moe = bool(num_experts(model_config))
+    if moe and config.generator.backend == "vllm":
+        raise ConfigError(
+            f"--generator vllm: {config.model} is a mixture of experts, whose weight syncs and routes the "
+            "vLLM generator does not take yet; use --generator hf"
+        )
+    if config.trainer.expert_parallel:
+        trainers = config.ranks.num_trainers
+        if not moe:
+            raise ConfigError(f"trainer.expert_parallel: {config.model} is not a mixture of experts")
+        if trainers < 2:
+            raise ConfigError(
+                "trainer.expert_parallel shards experts over the trainer ranks: give --num-trainers 2 or more"
+            )
+        try:
+            check_expert_parallel(num_experts(model_config), trainers)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    if moe and config.trainer.lora.rank:
+        raise ConfigError("trainer.lora.rank > 0: LoRA on a mixture of experts' experts is not supported yet")
 
 
 def check_generator(config: RunConfig) -> None:

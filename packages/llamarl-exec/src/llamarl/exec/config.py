@@ -26,6 +26,7 @@ MismatchMode = Literal[MISMATCH_MODES]  # type: ignore[valid-type]
 LRScheduleName = Literal[LR_SCHEDULES]  # type: ignore[valid-type]
 Precision = Literal["auto", "bf16", "fp32"]
 CompileMode = Literal["auto", "on", "off"]
+RoutingReplay = Literal["auto", "off", "r3"]
 
 
 class ConfigSection(BaseModel):
@@ -67,6 +68,11 @@ class AlgorithmConfig(ConfigSection):
     """> 0: KL penalty to a frozen reference policy held by the trainer ranks"""
     kl_estimator: KLEstimatorName = "k3"
     """KL estimator of the penalty (k1, k2 or k3)"""
+    routing_replay: RoutingReplay = "auto"
+    """mixture-of-experts policies: r3 scores each sampled token through the experts the generator
+    routed it to (the router still learns); off lets the trainer route itself; auto is r3 for a MoE
+    (without it trainer and generator disagree on a share of routes and RL on MoEs collapses) and
+    nothing for a dense model"""
 
     @model_validator(mode="after")
     def _loss_takes_its_hparams(self) -> AlgorithmConfig:
@@ -129,6 +135,10 @@ class TrainerConfig(ConfigSection):
     """bf16: forward and backward in bf16 with float32 master weights, gradients and AdamW state; fp32:
     float32 throughout; auto: bf16 where the device computes it fast (CUDA with bf16, CPUs with
     AVX512-BF16 or AMX), else fp32"""
+    expert_parallel: bool = False
+    """a mixture of experts on several trainer ranks: each rank holds E / ranks of every layer's experts
+    and tokens travel to them (all-to-all) instead of FSDP2 gathering every expert on every rank
+    (`llamarl.exec.train.expert_parallel`)"""
     lora: LoraConfig = Field(default_factory=LoraConfig)
 
 

@@ -169,6 +169,41 @@ def tiny_model(vocab_size: int = 128, *, seed: int = 0, dtype: torch.dtype = tor
     return _seeded(LlamaForCausalLM, tiny_model_config(vocab_size, **sizes), seed).to(dtype)
 
 
+TINY_MOE_KINDS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+"""The mixture-of-experts architectures `tiny_moe_model` builds (transformers model types)."""
+
+
+def tiny_moe_model(kind: str = "qwen3_moe", vocab_size: int = 128, *, seed: int = 0, **settings):
+    """A small mixture-of-experts causal LM of transformers' `kind` (`TINY_MOE_KINDS`; 4 experts, 2 per
+    token, 2 layers, hidden 32) with random weights (seeded), for tests: no download. `settings`: config
+    settings over those."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    sizes = {
+        key: value for key, value in tiny_model_config(vocab_size).to_dict().items() if key in _TINY_SIZES
+    }
+    experts = {"mixtral": "num_local_experts"}.get(kind, "num_experts")
+    moe = {experts: 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True}
+    if kind == "qwen2_moe":
+        moe["shared_expert_intermediate_size"] = 32
+    config = AutoConfig.for_model(kind, vocab_size=vocab_size, **{**sizes, **moe, **settings})
+    return _seeded(AutoModelForCausalLM.from_config, config, seed)
+
+
+_TINY_SIZES = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "max_position_embeddings",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "tie_word_embeddings",
+)
+
+
 def tiny_reward_model(vocab_size: int = 128, *, max_position_embeddings: int = 512, seed: int = 0, **sizes):
     """A small LlamaForSequenceClassification with one label and random weights (seeded): a reward
     model for tests, built from a config (no download). `sizes`: as `tiny_model`'s."""

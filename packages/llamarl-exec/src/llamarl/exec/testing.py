@@ -117,15 +117,19 @@ def vllm_python_for_tests() -> str:
         pytest.fail(f"{e}; from a llamarl checkout: bash tools/setup_vllm_env.sh", pytrace=False)
 
 
-def save_tiny_chat_model(path: str | os.PathLike[str], **sizes) -> Path:
+def save_tiny_chat_model(path: str | os.PathLike[str], *, moe: str | None = None, **sizes) -> Path:
     """A small random Llama (seed 0) with SmolLM2's real tokenizer and chat template, saved as a
-    transformers folder at `path`; `sizes` override `llamarl.exec.models.tiny_model`'s."""
+    transformers folder at `path`; `sizes` override `llamarl.exec.models.tiny_model`'s. `moe`: a
+    mixture of experts of that transformers model type instead (`tiny_moe_model`)."""
+    from functools import partial
+
     from transformers import AutoTokenizer
 
-    from llamarl.exec.models import smollm2_path, tiny_model
+    from llamarl.exec.models import smollm2_path, tiny_model, tiny_moe_model
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_path())
-    model = tiny_model(
+    build = tiny_model if moe is None else partial(tiny_moe_model, moe)
+    model = build(
         len(tokenizer),
         max_position_embeddings=1024,
         bos_token_id=tokenizer.bos_token_id,

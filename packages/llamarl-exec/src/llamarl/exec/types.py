@@ -41,6 +41,11 @@ class RolloutBatch:
     # int64, each sequence's prompt as a position in the run's shuffled data order (the controller sets
     # it; OUTPUT_DIR/trained_groups.jsonl names the groups each step trained on by it). -1: not set.
     prompt_position_B: torch.Tensor | None = None
+    # Mixture-of-experts policies: the experts each position went to in every MoE layer, as the
+    # generator routed it (`llamarl.exec.moe.routes`: uint8, NO_ROUTE where none; L MoE layers, K experts
+    # per token). The trainer replays them (routing replay). None: a dense model, or no routes recorded.
+    prompt_routes_BPLK: torch.Tensor | None = None
+    completion_routes_BCLK: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.token_version_BC is None:
@@ -78,10 +83,16 @@ class RolloutBatch:
         rows = self.num_sequences // num_parts
         return self.select(slice(index * rows, (index + 1) * rows))
 
+    @property
+    def has_routes(self) -> bool:
+        """Whether the batch carries its generator's expert routes (a mixture-of-experts policy)."""
+        return self.prompt_routes_BPLK is not None
+
     def tensors(self) -> dict[str, torch.Tensor]:
         """The tensor fields by name, in a fixed order (token_version_BC and prompt_position_B always
-        present)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "group_size"}
+        present, the routes where the batch has them)."""
+        named = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "group_size"}
+        return {name: t for name, t in named.items() if t is not None}
 
     def state(self) -> dict[str, torch.Tensor | int]:
         """What a checkpoint keeps of the batch: its tensors by name, and `group_size` (plain values that

@@ -9,6 +9,7 @@ without choosing again. A run that names its generator never probes or builds an
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from dataclasses import replace
@@ -75,6 +76,15 @@ def run_workload(config: RunConfig) -> Workload:
     )
 
 
+def is_mixture_of_experts(folder: Path) -> bool:
+    """Whether the model folder's config.json describes a mixture of experts (read without transformers)."""
+    from types import SimpleNamespace
+
+    from llamarl.exec.moe.routes import num_experts
+
+    return bool(num_experts(SimpleNamespace(**json.loads((folder / "config.json").read_text()))))
+
+
 def vllm_obstacle(config: RunConfig, *, cuda: bool) -> str | None:
     """Why a vLLM engine cannot serve this run (one line), or None."""
     from llamarl.control.launch.launcher import under_torchrun
@@ -83,6 +93,8 @@ def vllm_obstacle(config: RunConfig, *, cuda: bool) -> str | None:
         return "trainer.lora.rank > 0: the vLLM engine takes no LoRA adapters yet"
     if not Path(config.model, "config.json").is_file():
         return f"vLLM serves a local model folder; {config.model} is not one"
+    if is_mixture_of_experts(Path(config.model)):
+        return "a mixture of experts: the vLLM generator takes neither its weight syncs nor its routes yet"
     if not cuda and (config.launch.nnodes > 1 or under_torchrun()):
         return (
             "several machines on the CPU would each choose by themselves (launch.nnodes > 1 or torchrun): "

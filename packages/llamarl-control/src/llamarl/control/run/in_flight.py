@@ -7,6 +7,10 @@ the version of every token), and `resume` continues each unfinished completion f
 drew` (NeMo-RL's and AReaL's partial rollouts) until the request is whole. Nothing sampled is thrown
 away and nothing is sampled twice.
 
+A mixture of experts' routes go with the tokens. A continuation forwards the prompt and the tokens drawn
+so far again, under the weights it continues with, and those routes are what its later tokens were
+computed through: they replace the earlier ones (the row's routes are its newest forward's).
+
 Shape legend: B sequences (num_prompts x G), P prompt length, C completion length, G group size.
 """
 
@@ -18,6 +22,7 @@ from typing import Any
 
 import torch
 
+from llamarl.exec.moe.routes import blank_routes
 from llamarl.exec.types import GenerationPaused, Generator, RolloutBatch
 
 
@@ -29,6 +34,7 @@ class _Row:
     logprobs: torch.Tensor  # float32
     versions: torch.Tensor  # int64
     finished: bool
+    routes: torch.Tensor | None = None  # stored routes [tokens, L, K] of a mixture of experts
 
 
 class InFlightRequest:
@@ -36,6 +42,10 @@ class InFlightRequest:
 
     def __init__(self, prompts: RolloutBatch, rows: list[_Row], first_version_B: torch.Tensor) -> None:
         self._prompts = prompts  # prompt_ids_BP, prompt_mask_BP and group_size of the request
+        # (a mixture of experts: the prompts' routes, rewritten by each continuation)
+        self._prompt_routes_BPLK = (
+            None if prompts.prompt_routes_BPLK is None else prompts.prompt_routes_BPLK.clone()
+        )
         self._rows = rows
         self._first_version_B = first_version_B  # each row's version at its first token (or at start)
 
@@ -44,8 +54,10 @@ class InFlightRequest:
         """The request as `generate` left it when it was paused."""
         batch = paused.partial
         rows = [
-            _Row(ids, logprobs, versions, bool(done))
-            for (ids, logprobs, versions), done in zip(_split(batch), paused.finished_B.tolist(), strict=True)
+            _Row(ids, logprobs, versions, bool(done), routes)
+            for (ids, logprobs, versions, routes), done in zip(
+                _split(batch), paused.finished_B.tolist(), strict=True
+            )
         ]
         return cls(batch, rows, batch.policy_version_B.clone())
 
@@ -107,6 +119,15 @@ class InFlightRequest:
         mask_BC = torch.zeros(B, length, dtype=torch.int64)
         logprobs_BC = torch.zeros(B, length, dtype=torch.float32)
         versions_BC = torch.zeros(B, length, dtype=torch.int64)
+        routes_BCLK = None
+        if self._prompt_routes_BPLK is not None:
+            routes_BCLK = blank_routes(
+                B,
+                length,
+                layers=self._prompt_routes_BPLK.shape[2],
+                top_k=self._prompt_routes_BPLK.shape[3],
+                dtype=self._prompt_routes_BPLK.dtype,
+            )
         for r, row in enumerate(self._rows):
             n = len(row.ids)
             ids_BC[r, :n], logprobs_BC[r, :n], versions_BC[r, :n], mask_BC[r, :n] = (
@@ -115,6 +136,8 @@ class InFlightRequest:
                 row.versions,
                 1,
             )
+            if routes_BCLK is not None and row.routes is not None:
+                routes_BCLK[r, :n] = row.routes
         return RolloutBatch(
             prompt_ids_BP=self._prompts.prompt_ids_BP,
             prompt_mask_BP=self._prompts.prompt_mask_BP,
@@ -125,6 +148,8 @@ class InFlightRequest:
             policy_version_B=self._first_version_B.clone(),
             token_version_BC=versions_BC,
             group_size=self._prompts.group_size,
+            prompt_routes_BPLK=self._prompt_routes_BPLK,
+            completion_routes_BCLK=routes_BCLK,
         )
 
     def state(self) -> dict[str, Any]:
@@ -141,18 +166,34 @@ class InFlightRequest:
 
     def _extend(self, rows: list[int], more: RolloutBatch, finished: list[bool]) -> None:
         """Appends the continuation `more` (one row per entry of `rows`) to those rows."""
-        for r, (ids, logprobs, versions), done in zip(rows, _split(more), finished, strict=True):
+        for j, (r, (ids, logprobs, versions, routes), done) in enumerate(
+            zip(rows, _split(more), finished, strict=True)
+        ):
             row = self._rows[r]
             if len(row.ids) == 0:
-                self._first_version_B[r] = more.policy_version_B[rows.index(r)]
+                self._first_version_B[r] = more.policy_version_B[j]
+            if self._prompt_routes_BPLK is not None and more.has_routes:
+                self._take_routes(r, more.prompt_routes_BPLK[j][more.prompt_mask_BP[j].bool()], routes)
             row.ids = torch.cat([row.ids, ids])
             row.logprobs = torch.cat([row.logprobs, logprobs])
             row.versions = torch.cat([row.versions, versions])
             row.finished = done
 
+    def _take_routes(self, r: int, forwarded_TLK: torch.Tensor, new_TLK: torch.Tensor | None) -> None:
+        """Row r's routes from its continuation: `forwarded_TLK` its prompt and drawn tokens' (forwarded
+        again as the continuation's prompt), `new_TLK` the tokens the continuation drew."""
+        assert self._prompt_routes_BPLK is not None and new_TLK is not None
+        prompt_mask = self._prompts.prompt_mask_BP[r].bool()
+        num_prompt = int(prompt_mask.sum())
+        self._prompt_routes_BPLK[r][prompt_mask] = forwarded_TLK[:num_prompt]
+        self._rows[r].routes = torch.cat([forwarded_TLK[num_prompt:], new_TLK])
 
-def _split(batch: RolloutBatch) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Each row's completion as (token ids, behaviour log-probs, versions), padding dropped."""
+
+def _split(
+    batch: RolloutBatch,
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    """Each row's completion as (token ids, behaviour log-probs, versions, stored routes or None),
+    padding dropped."""
     rows = []
     assert batch.token_version_BC is not None
     for r in range(batch.num_sequences):
@@ -162,6 +203,7 @@ def _split(batch: RolloutBatch) -> list[tuple[torch.Tensor, torch.Tensor, torch.
                 batch.completion_ids_BC[r, :n].long(),
                 batch.behavior_logprobs_BC[r, :n].float(),
                 batch.token_version_BC[r, :n].long(),
+                None if batch.completion_routes_BCLK is None else batch.completion_routes_BCLK[r, :n],
             )
         )
     return rows

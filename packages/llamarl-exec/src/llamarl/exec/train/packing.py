@@ -43,6 +43,10 @@ class PackedRow:
     predict_index_K: torch.Tensor  # int64 [K]: positions whose logits predict the completion tokens
     target_ids_1K: torch.Tensor  # int64 [1, K]: those completion tokens, in row-major (sequence) order
     segments: tuple[Segment, ...]  # the row's sequences (or shared-prompt groups), in order (cover T)
+    # A mixture of experts' recorded routes of the laid tokens (L MoE layers, K experts), laid as the
+    # ids are, and which of them are completion tokens; None when `pack` was given no routes.
+    routes_TLK: torch.Tensor | None = None
+    completion_T: torch.Tensor | None = None  # bool
 
 
 def completion_span(completion_mask_BC: torch.Tensor) -> torch.Tensor:
@@ -139,6 +143,7 @@ def pack(
     completion_mask_MC: torch.Tensor,
     *,
     share_prompts: bool = False,
+    routes: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> PackedRow:
     """Packs a micro-batch of left-padded prompts and right-padded completions into one row.
 
@@ -147,11 +152,13 @@ def pack(
     sequence sits at column k and the packed log-probs map back to [M, C] (see `unpack`); the loss
     masks the ones that are not the model's. `share_prompts`: a run of sequences with the same prompt
     lays it once (see the module docstring); the log-probs are the same function of the same tokens.
+    `routes`: a mixture of experts' recorded routes (prompt_MPLK, completion_MCLK), laid with the ids
+    (a shared prompt's from its group's first sequence: its samples share the prompt's forward).
     """
     prompt_mask = prompt_mask_MP.bool()
     completion_mask = completion_span(completion_mask_MC).bool()
     repeats = repeats_previous_prompt(prompt_ids_MP, prompt_mask_MP) if share_prompts else None
-    ids, positions, predict, targets = [], [], [], []
+    ids, positions, predict, targets, laid_routes, completion_flags = [], [], [], [], [], []
     groups: list[tuple[int, list[int]]] = []  # (prompt length, completion lengths) per segment
     offset = 0  # tokens laid so far
     prompt_end = 0  # row position after the current group's prompt
@@ -160,12 +167,18 @@ def pack(
         if not (repeats and repeats[i]):  # a new prompt: lay it
             prompt = prompt_ids_MP[i][prompt_mask[i]]
             ids.append(prompt)
+            if routes is not None:
+                laid_routes.append(routes[0][i][prompt_mask[i]])
+                completion_flags.append(torch.zeros(len(prompt), dtype=torch.bool))
             positions.append(torch.arange(len(prompt)))
             offset += len(prompt)
             prompt_end = offset
             groups.append((len(prompt), []))
         num_prompt, num_completion = groups[-1][0], len(completion)
         ids.append(completion)
+        if routes is not None:
+            laid_routes.append(routes[1][i][completion_mask[i]])
+            completion_flags.append(torch.ones(num_completion, dtype=torch.bool))
         positions.append(torch.arange(num_completion) + num_prompt)
         # Position p predicts token p + 1: the prompt's last position predicts the first completion
         # token, each completion token but the last predicts the next.
@@ -181,6 +194,8 @@ def pack(
         predict_index_K=torch.cat(predict) if predict else torch.zeros(0, dtype=torch.long),
         target_ids_1K=torch.cat(targets).unsqueeze(0),
         segments=tuple(_segment(prompt, branches) for prompt, branches in groups),
+        routes_TLK=torch.cat(laid_routes) if routes is not None else None,
+        completion_T=torch.cat(completion_flags) if routes is not None else None,
     )
 
 

@@ -24,6 +24,7 @@ def shard_model(
     param_dtype: torch.dtype | None = None,
     reshard_root_after_forward: bool = False,
     activation_checkpointing: bool = False,
+    expert_parallel: bool = False,
 ) -> torch.nn.Module:
     """Shards `model` with FSDP2 (`fully_shard`) over `group`: each decoder layer, then the root.
 
@@ -37,6 +38,9 @@ def shard_model(
     composable `checkpoint` (applied before `fully_shard`, the order FSDP2 composes with; it keeps the
     parameter names, which weight sync relies on). transformers' own `gradient_checkpointing_enable`
     hangs under FSDP2: its recomputation re-enters the layer's FSDP hooks in backward.
+
+    `expert_parallel`: a mixture of experts' expert weights are sharded over `group` by expert instead
+    (`llamarl.exec.train.expert_parallel.shard_experts`) and FSDP2 leaves them alone.
     """
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -45,6 +49,11 @@ def shard_model(
     policy = MixedPrecisionPolicy(
         param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None
     )
+    ignored = None
+    if expert_parallel:
+        from llamarl.exec.train.expert_parallel import shard_experts
+
+        ignored = shard_experts(model, group, device=device)
     # Sharding per decoder layer lets FSDP2 gather one layer's weights at a time (and free them after).
     layer_classes = set(getattr(model, "_no_split_modules", None) or ())
     for module in list(model.modules()):
@@ -53,8 +62,14 @@ def shard_model(
                 from torch.distributed._composable import checkpoint
 
                 checkpoint(module)
-            fully_shard(module, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_root_after_forward)
+            fully_shard(module, mesh=mesh, mp_policy=policy, ignored_params=ignored)
+    fully_shard(
+        model,
+        mesh=mesh,
+        mp_policy=policy,
+        reshard_after_forward=reshard_root_after_forward,
+        ignored_params=ignored,
+    )
     for module in model.modules():
         if isinstance(module, FSDPModule):  # these setters act on one FSDP unit each
             module.set_gradient_divide_factor(1.0)

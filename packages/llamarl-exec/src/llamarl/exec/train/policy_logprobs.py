@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from llamarl.algo import linear_token_logprobs
 from llamarl.exec.config import TrainerConfig
+from llamarl.exec.moe.routes import RouteReplay, read_routes
 from llamarl.exec.train import packing
 from llamarl.exec.train.parallel import all_reduce_max, all_reduce_min
 from llamarl.exec.types import RolloutBatch
@@ -61,6 +62,10 @@ class PolicyLogprobs:
         self.trainer = trainer
         self.temperature = temperature
         self.group = group
+        # A mixture of experts: the recorded routes are laid out for each forward of `replay_model`
+        # (the policy the trainer steps; never the reference) and replayed or compared there.
+        self.replay: RouteReplay | None = None
+        self.replay_model: torch.nn.Module | None = None
 
     def micro_batches(self, batch: RolloutBatch) -> list[slice]:
         """Consecutive rows per micro-batch: `micro_batch_size` sequences, or a token budget when packing."""
@@ -90,6 +95,7 @@ class PolicyLogprobs:
         completion C'. Log-probs carry gradient when enabled; the entropy (of softmax(logits / T) at each
         completion position, a metric) never does. Both are float32, 0 on padding."""
         mask_MC = batch.completion_mask_BC[rows].to(device)
+        routes = self._routes(model, batch, rows)
         if self.trainer.pack_tokens:
             logprobs_MC, entropy_MC, length = self._packed_logprobs(
                 model,
@@ -97,6 +103,7 @@ class PolicyLogprobs:
                 batch.prompt_mask_BP[rows],
                 batch.completion_ids_BC[rows],
                 mask_MC,
+                routes,
             )
         else:
             logprobs_MC, entropy_MC, length = self._completion_logprobs(
@@ -106,9 +113,27 @@ class PolicyLogprobs:
                 mask_MC,
                 group_size=batch.group_size,
                 model=model,
+                routes=routes,
             )
         mask_MC = mask_MC[:, :length]
         return logprobs_MC, entropy_MC.masked_fill(mask_MC == 0, 0.0), mask_MC
+
+    def _routes(
+        self, model: torch.nn.Module, batch: RolloutBatch, rows: slice
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The micro-batch's recorded routes (prompt_MPLK, completion_MCLK; int64, NO_ROUTE where none)
+        when `model` replays them, else None (and `model` routes itself)."""
+        if self.replay is None or model is not self.replay_model:
+            return None
+        if not batch.has_routes:
+            self.replay.set(None)
+            return None
+        return read_routes(batch.prompt_routes_BPLK[rows]), read_routes(batch.completion_routes_BCLK[rows])
+
+    def _replay(self, routes_NLK: torch.Tensor | None, counted_N: torch.Tensor | None = None) -> None:
+        """Routes for the next forward of the replaying model (see `_routes`)."""
+        if self.replay is not None and routes_NLK is not None:
+            self.replay.set(routes_NLK, counted_N)
 
     def _packed_logprobs(
         self,
@@ -117,6 +142,7 @@ class PolicyLogprobs:
         prompt_mask_MP: torch.Tensor,
         completion_ids_MC: torch.Tensor,
         completion_mask_MC: torch.Tensor,
+        routes: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Like `_completion_logprobs`, from one packed row: no padding reaches the model.
 
@@ -132,7 +158,9 @@ class PolicyLogprobs:
             completion_ids_MC[:, :length],
             completion_mask_MC.cpu(),
             share_prompts=self.trainer.share_prompts,
+            routes=None if routes is None else (routes[0], routes[1][:, :length]),
         )
+        self._replay(row.routes_TLK, row.completion_T)
         # No attention mask: the varlen attention (see setup) attends within each packed sequence (or
         # shared-prompt group), from segments computed here once for all layers (Python ints: no
         # device sync per layer).
@@ -161,6 +189,7 @@ class PolicyLogprobs:
         *,
         group_size: int,
         model: torch.nn.Module,
+        routes: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """log softmax(logits / T) of the completion tokens of one micro-batch under `model`, with
         gradient when enabled, and the entropy of softmax(logits / T) at each completion position.
@@ -182,6 +211,8 @@ class PolicyLogprobs:
         # Attention and positions cover every laid token (environment tokens of an episode included);
         # the loss mask is applied by the caller.
         completion_mask_MC = packing.completion_span(completion_mask_MC[:, :length])
+        if routes is not None:  # laid as the ids are (what `_shared_prompt_logprobs` cuts, it cuts too)
+            routes = routes[0][:, first_prompt:], routes[1][:, :length]
 
         # Sharing runs two forward passes (one when every completion has a single token), the full path
         # one; under FSDP2 every rank must run the same passes, so all must agree to share.
@@ -190,11 +221,17 @@ class PolicyLogprobs:
             shareable = all_reduce_min([float(shareable)], self.group)[0] > 0
         if shareable:
             logprobs_MC, entropy_MC = self._shared_prompt_logprobs(
-                prompt_ids_MP, prompt_mask_MP, completion_ids_MC, completion_mask_MC, group_size, model
+                prompt_ids_MP,
+                prompt_mask_MP,
+                completion_ids_MC,
+                completion_mask_MC,
+                group_size,
+                model,
+                routes,
             )
         else:
             logprobs_MC, entropy_MC = self._full_logprobs(
-                prompt_ids_MP, prompt_mask_MP, completion_ids_MC, completion_mask_MC, model
+                prompt_ids_MP, prompt_mask_MP, completion_ids_MC, completion_mask_MC, model, routes
             )
         return logprobs_MC, entropy_MC, length
 
@@ -222,6 +259,7 @@ class PolicyLogprobs:
         completion_mask_MC: torch.Tensor,
         group_size: int,
         model: torch.nn.Module,
+        routes: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs and entropies of the completion tokens, [M, C] each, with each group's prompt run
         only once.
@@ -234,6 +272,8 @@ class PolicyLogprobs:
         prompt_mask_GP = prompt_mask_MP[::group_size]
         # The last prompt position predicts the first completion token of each of the group's samples.
         first = _TokenLogprobsHead(completion_ids_MC[:, :1], self.temperature, repeat_rows=group_size)
+        if routes is not None:  # the group's first sample's prompt routes (its samples share them)
+            self._replay(_flat(routes[0][::group_size]))
         with first.replacing_output_head(model):
             prompt_out = model(
                 input_ids=prompt_ids_GP,
@@ -252,6 +292,8 @@ class PolicyLogprobs:
         attention_mask_MT = torch.cat([prompt_mask_MP, completion_mask_MC.to(prompt_mask_MP.dtype)], dim=1)
         position_ids_MT = (attention_mask_MT.cumsum(1) - 1).clamp(min=0)
         rest = _TokenLogprobsHead(completion_ids_MC[:, 1:], self.temperature)
+        if routes is not None:
+            self._replay(_flat(routes[1][:, :-1]), completion_mask_MC[:, :-1].reshape(-1).bool())
         with rest.replacing_output_head(model):
             model(
                 input_ids=completion_ids_MC[:, :-1],
@@ -278,6 +320,7 @@ class PolicyLogprobs:
         completion_ids_MC: torch.Tensor,
         completion_mask_MC: torch.Tensor,
         model: torch.nn.Module,
+        routes: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs and entropies of the completion tokens, [M, C] each, from one forward over prompt +
         completion."""
@@ -289,6 +332,11 @@ class PolicyLogprobs:
         # The hidden states at positions P-1 .. P+C-2 predict the completion tokens; keeping the last
         # C+1 positions (the head drops the final one) runs the head only where it is needed.
         head = _TokenLogprobsHead(completion_ids_MC, self.temperature, drop_last_position=True)
+        if routes is not None:
+            counted_MT = torch.cat(
+                [torch.zeros_like(prompt_mask_MP), completion_mask_MC.to(prompt_mask_MP.dtype)], 1
+            )
+            self._replay(_flat(torch.cat(routes, 1)), counted_MT.reshape(-1).bool())
         with head.replacing_output_head(model):
             model(
                 input_ids=input_ids_MT,
@@ -373,6 +421,11 @@ def output_head(model: torch.nn.Module) -> torch.nn.Linear:
                 "log-prob head does not support it"
             )
     return head
+
+
+def _flat(routes_MTLK: torch.Tensor) -> torch.Tensor:
+    """Routes [M, T, L, K] as a forward's routers see its tokens: [M * T, L, K], row-major."""
+    return routes_MTLK.reshape(-1, *routes_MTLK.shape[2:])
 
 
 def _span_length(completion_mask_MC: torch.Tensor) -> int:

@@ -119,6 +119,7 @@ def _wrap_model(model: torch.nn.Module, settings: ModuleSettings, *, frozen: boo
         # A frozen model runs no backward: its root need not stay gathered, nothing to recompute.
         reshard_root_after_forward=frozen,
         activation_checkpointing=settings.config.activation_checkpointing and not frozen,
+        expert_parallel=settings.config.expert_parallel,
     )
 
 

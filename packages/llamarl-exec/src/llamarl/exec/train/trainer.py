@@ -45,6 +45,7 @@ from llamarl.algo import (
 from llamarl.exec.config import AlgorithmConfig, TrainerConfig
 from llamarl.exec.lora import adapter_tensors, merged_state_dict
 from llamarl.exec.models import resolve_dtype
+from llamarl.exec.moe.routes import RouteReplay, find_routers
 from llamarl.exec.train.lr_schedules import lr_factor
 from llamarl.exec.train.mixed_precision import ComputeCopy
 from llamarl.exec.train.nonfinite import Finiteness, nonfinite_cause
@@ -132,6 +133,10 @@ class PolicyTrainer:
         modules = load_policy_modules(settings, with_reference=self.algorithm.kl_coef > 0)
         self.model, self.compute_model = modules.model, modules.compute_model
         self._compute_copy, self.ref_model = modules.compute_copy, modules.ref_model
+        if find_routers(self.compute_model):  # a mixture of experts: routing replay (or its comparison)
+            replaying = self.algorithm.routing_replay != "off"
+            self.forward.replay = RouteReplay(self.compute_model, replaying=replaying)
+            self.forward.replay_model = self.compute_model
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
             lr=cfg.lr,
@@ -247,9 +252,10 @@ class PolicyTrainer:
         full-batch loss whatever the micro-batching and the split across ranks.
 
         Returns:
-            loss, the loss's metrics, logprob_mean, entropy_mean (of the sampling distribution at the
-            completion positions), reward_mean, advantage_abs_mean, num_valid_tokens: all of the whole
-            batch (reduced over the trainer ranks).
+            loss, the loss's metrics, logprob_gap_abs_mean (|log pi - log mu| per token), logprob_mean,
+            entropy_mean (of the sampling distribution at the completion positions), reward_mean,
+            advantage_abs_mean, num_valid_tokens, routing_mismatch (a mixture of experts): all of the
+            whole batch (reduced over the trainer ranks).
         """
         return self._accumulate(batch)[0]
 
@@ -264,6 +270,8 @@ class PolicyTrainer:
             batch.num_completion_tokens, batch.num_sequences
         )
         totals = StepTotals()
+        if self.forward.replay is not None:
+            self.forward.replay.take_counts()  # (what compute_logprobs compared is not this step's)
         for rows in self.forward.micro_batches(batch):
             logprobs_MC, entropy_MC, mask_MC = self.forward.logprobs(model, batch, rows, device)
             loss, loss_metrics = self._micro_batch_loss(
@@ -278,13 +286,20 @@ class PolicyTrainer:
             loss.backward()
             totals.add(loss, logprobs_MC, entropy_MC, mask_MC, loss_metrics)
             del logprobs_MC, loss, loss_metrics  # free this micro-batch's graph before the next forward
-        return totals.reduce(
+        metrics, finiteness = totals.reduce(
             batch.rewards_B,
             advantages_B,
             num_valid_tokens=num_valid_tokens,
             num_sequences=num_sequences,
             group=self.group,
         )
+        if self.forward.replay is not None:
+            counts = self.forward.replay.take_counts()
+            compared, differing = all_reduce_sum([counts.compared, counts.differing], self.group)
+            # Sampled tokens whose experts here differ from the generator's in at least one layer (before
+            # replay: what replay corrects); nan when the batch carries no routes.
+            metrics["routing_mismatch"] = differing / compared if compared else float("nan")
+        return metrics, finiteness
 
     def _micro_batch_loss(
         self,
@@ -312,6 +327,14 @@ class PolicyTrainer:
             num_valid_tokens=denominator_tokens,
             num_sequences=num_sequences,
         )
+        # |log pi - log mu| per sampled token: how far the trainer's log-probs are from the generator's
+        # (a mixture of experts without routing replay: far more), the spread of the AIPO/IS weights.
+        gap_MC = (
+            logprobs_MC.detach() - batch.behavior_logprobs_BC[rows, : mask_MC.shape[1]].to(device)
+        ).abs()
+        loss_metrics["logprob_gap_abs_mean"] = gap_MC.masked_fill(
+            mask_MC == 0, 0.0
+        ).sum() / mask_MC.sum().clamp(min=1)
         if self.ref_model is None:
             return loss, loss_metrics
         with torch.no_grad():

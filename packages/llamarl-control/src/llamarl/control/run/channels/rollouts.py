@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from llamarl.exec.moe.routes import no_route
 from llamarl.exec.types import RolloutBatch
 
 # Cumulative generator counters (since the generator started) that travel with each batch; the
@@ -68,7 +69,10 @@ _DTYPES = {
     "token_version_BC": torch.int64,
     "prompt_position_B": torch.int64,
 }
-_HEADER_LEN = 4  # B, P, C, group_size
+# A mixture of experts' routes (`RolloutBatch.prompt_routes_BPLK`, ...) follow when the header says so.
+_ROUTES = ("prompt_routes_BPLK", "completion_routes_BCLK")
+_ROUTE_DTYPES = (torch.uint8, torch.int16)  # by header code - 1 (0: no routes)
+_HEADER_LEN = 7  # B, P, C, group_size, L, K, routes' dtype code
 
 
 @dataclass
@@ -97,9 +101,8 @@ class ChannelError(RuntimeError):
     """A rollout transfer that failed or timed out; the message names the peer rank."""
 
 
-def _shape(name: str, num_sequences: int, prompt_len: int, completion_len: int) -> tuple[int, ...]:
-    # The shape suffix of each field name is its contract: _BP, _BC or _B.
-    sizes = {"B": num_sequences, "P": prompt_len, "C": completion_len}
+def _shape(name: str, sizes: dict[str, int]) -> tuple[int, ...]:
+    # The shape suffix of each field name is its contract: _BP, _BC, _B, _BPLK...
     return tuple(sizes[axis] for axis in name.rsplit("_", 1)[1])
 
 
@@ -116,19 +119,27 @@ def send_rollouts(
     only the metrics follow. `tag` tells apart streams between the same two ranks (a reward rank
     forwards several generators' batches to the trainer: the tag is the generator's rank)."""
     tensors = batch.tensors() if isinstance(batch, RolloutBatch) else {}
+    routes = {name: tensors.pop(name) for name in _ROUTES if name in tensors}
     if isinstance(batch, RolloutBatch) and list(tensors) != list(_DTYPES):
         raise ValueError(f"RolloutBatch fields changed: {list(tensors)}; update llamarl.control.run.channels")
     if batch is None:
-        header = torch.tensor([_END_OF_STREAM, 0, 0, 0], dtype=torch.int64)
+        header = torch.tensor([_END_OF_STREAM, *[0] * (_HEADER_LEN - 1)], dtype=torch.int64)
     elif batch is CHECKPOINT_MARKER:
-        header = torch.tensor([_MARKER, 0, 0, 0], dtype=torch.int64)
+        header = torch.tensor([_MARKER, *[0] * (_HEADER_LEN - 1)], dtype=torch.int64)
     else:
+        layers, top_k, code = 0, 0, 0
+        if routes:
+            layers, top_k = routes["prompt_routes_BPLK"].shape[2:]
+            code = _ROUTE_DTYPES.index(routes["prompt_routes_BPLK"].dtype) + 1
         header = torch.tensor(
             [
                 batch.num_sequences,
                 batch.prompt_ids_BP.shape[1],
                 batch.completion_ids_BC.shape[1],
                 batch.group_size,
+                layers,
+                top_k,
+                code,
             ],
             dtype=torch.int64,
         )
@@ -139,6 +150,8 @@ def send_rollouts(
         dist.send(header, dst, group=group, tag=tag)
         for name, tensor in tensors.items():
             dist.send(tensor.detach().to("cpu", _DTYPES[name]).contiguous(), dst, group=group, tag=tag)
+        for tensor in routes.values():
+            dist.send(tensor.detach().cpu().contiguous(), dst, group=group, tag=tag)
         dist.send(metric_values, dst, group=group, tag=tag)
     except Exception as e:
         raise ChannelError(f"sending rollouts to rank {dst} failed: {e}") from e
@@ -156,12 +169,15 @@ def recv_rollouts(
     try:
         header = torch.empty(_HEADER_LEN, dtype=torch.int64)
         dist.recv(header, src, group=group, tag=tag)
-        num_sequences, prompt_len, completion_len, group_size = (int(v) for v in header)
+        num_sequences, prompt_len, completion_len, group_size, layers, top_k, code = (int(v) for v in header)
+        sizes = {"B": num_sequences, "P": prompt_len, "C": completion_len, "L": layers, "K": top_k}
         tensors = {}
         if num_sequences >= 0:
-            for name, dtype in _DTYPES.items():
-                shape = _shape(name, num_sequences, prompt_len, completion_len)
-                tensors[name] = torch.empty(shape, dtype=dtype)
+            dtypes = dict(_DTYPES)
+            if code:
+                dtypes.update(dict.fromkeys(_ROUTES, _ROUTE_DTYPES[code - 1]))
+            for name, dtype in dtypes.items():
+                tensors[name] = torch.empty(_shape(name, sizes), dtype=dtype)
                 dist.recv(tensors[name], src, group=group, tag=tag)
         metric_values = torch.empty(len(GENERATOR_METRICS), dtype=torch.float64)
         dist.recv(metric_values, src, group=group, tag=tag)
@@ -185,17 +201,23 @@ def concat_rollouts(batches: list[RolloutBatch]) -> RolloutBatch:
     prompt_len = max(b.prompt_ids_BP.shape[1] for b in batches)
     completion_len = max(b.completion_ids_BC.shape[1] for b in batches)
 
+    if len({b.has_routes for b in batches}) > 1:
+        raise ValueError("some generators' batches carry expert routes and others do not")
+
     def pad(t: torch.Tensor, length: int, *, left: bool) -> torch.Tensor:
-        # Padding values are masked out everywhere downstream, so zeros are safe for every field.
+        # Padding values are masked out everywhere downstream, so zeros are safe for every field but
+        # the routes, whose padding is "no route".
         missing = length - t.shape[1]
-        return torch.nn.functional.pad(t, (missing, 0) if left else (0, missing))
+        value = no_route(t.dtype) if t.dim() == 4 else 0
+        widths = (0, 0) * (t.dim() - 2) + ((missing, 0) if left else (0, missing))
+        return torch.nn.functional.pad(t, widths, value=value)
 
     joined = {}
-    for name in _DTYPES:
+    for name in batches[0].tensors():
         parts = [getattr(b, name) for b in batches]
-        if name.endswith("_BP"):
+        if "_BP" in name:
             parts = [pad(t, prompt_len, left=True) for t in parts]
-        elif name.endswith("_BC"):
+        elif "_BC" in name:
             parts = [pad(t, completion_len, left=False) for t in parts]
         joined[name] = torch.cat(parts)
     return RolloutBatch(group_size=group_size, **joined)
