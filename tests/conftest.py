@@ -43,6 +43,12 @@ def tiny_model_dir(save_tiny_model) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_moe_model_dir(save_tiny_model) -> Path:
+    """A 2-layer Qwen3-MoE (4 experts, 2 per token, hidden 32) with SmolLM2's tokenizer."""
+    return save_tiny_model("tiny_moe_model", moe="qwen3_moe")
+
+
+@pytest.fixture(scope="session")
 def gsm8k_dir() -> Path:
     path = _shared_data() / "gsm8k"
     if not jsonl_file(path / "train.jsonl").is_file():

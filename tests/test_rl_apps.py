@@ -66,8 +66,14 @@ def read_samples(out: Path) -> list[dict]:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("mode", ["async", "sync"])
-def test_gsm8k_app_trains_in_both_modes(tiny_model_dir, gsm8k_dir, tmp_path, mode):
+@pytest.mark.parametrize(
+    ("mode", "model"),
+    [("async", "tiny_model_dir"), ("sync", "tiny_moe_model_dir")],
+    ids=["async", "sync-moe"],
+)
+def test_gsm8k_app_trains_in_both_modes(request, gsm8k_dir, tmp_path, mode, model):
+    """Async on a dense model, sync on a mixture of experts (its routes replayed by the trainer)."""
+    tiny_model_dir = request.getfixturevalue(model)
     out = tmp_path / mode
     # One machine named explicitly (its own rendezvous endpoint), one thread per rank, a W&B project.
     endpoint = f"127.0.0.1:{free_port()}"
@@ -107,6 +113,11 @@ def test_gsm8k_app_trains_in_both_modes(tiny_model_dir, gsm8k_dir, tmp_path, mod
     assert versions == ([(0, 0), (1, 0), (2, 1)] if mode == "async" else [(0, 0), (1, 1), (2, 2)])
     metrics = read_step_metrics(out)
     assert [m["policy/lag"] for m in metrics] == ([0.0, 1.0, 1.0] if mode == "async" else [0.0, 0.0, 0.0])
+    # A mixture of experts: the sampled tokens' routes came with the samples and were compared (and
+    # replayed: routing_replay auto); a dense model has none.
+    moe = model == "tiny_moe_model_dir"
+    assert [0.0 <= m.get("train/routing_mismatch", -1) <= 1.0 for m in metrics] == [moe] * 3
+    assert all(m["train/logprob_gap_abs_mean"] >= 0 for m in metrics)
     # The offline W&B run (what `wandb sync` uploads) is in the project asked for.
     (wandb_run,) = out.glob("wandb/offline-run-*/run-*.wandb")
     assert b"llamarl-app-test" in wandb_run.read_bytes()
@@ -122,11 +133,12 @@ def test_gsm8k_app_trains_in_both_modes(tiny_model_dir, gsm8k_dir, tmp_path, mod
 
 
 @pytest.mark.timeout(600)
-def test_gsm8k_app_streams_with_bounded_staleness(tiny_model_dir, gsm8k_dir, tmp_path):
+def test_gsm8k_app_streams_with_bounded_staleness(tiny_moe_model_dir, gsm8k_dir, tmp_path):
     """Stream mode: the generator samples back to back, takes new weights in flight, and the trainer
-    never trains on a token older than --max-policy-lag; every group received is accounted for."""
+    never trains on a token older than --max-policy-lag; every group received is accounted for. The
+    policy is a mixture of experts: its routes travel with the samples through the stream's buffer."""
     out = tmp_path / "stream"
-    args = [*common_args(tiny_model_dir, gsm8k_dir, out), "--mode", "stream", "--steps", "4"]
+    args = [*common_args(tiny_moe_model_dir, gsm8k_dir, out), "--mode", "stream", "--steps", "4"]
     result = run_app("gsm8k_rl", *args, "--max-policy-lag", "1", "--stream-buffer", "4")
     assert result.returncode == 0, result.stderr[-4000:]
     summary = json.loads((out / "summary.json").read_text())
@@ -137,6 +149,7 @@ def test_gsm8k_app_streams_with_bounded_staleness(tiny_model_dir, gsm8k_dir, tmp
     metrics = read_step_metrics(out)
     for m in metrics:
         assert m["policy/lag"] <= 1
+        assert 0.0 <= m["train/routing_mismatch"] <= 1.0
         assert m["staleness/lag_0_frac"] + m["staleness/lag_1_frac"] == pytest.approx(1.0)
     # A step trained on groups that were already buffered has no new generator report: no idle figure.
     generator_idle = [m["idle/generator_frac"] for m in metrics if "idle/generator_frac" in m]
