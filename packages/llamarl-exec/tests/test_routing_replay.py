@@ -204,3 +204,22 @@ def test_an_upcycled_model_computes_what_the_dense_one_does_and_routes_across_ex
         torch.testing.assert_close(moe(ids).logits, dense(ids).logits, atol=1e-5, rtol=0)
         chosen = moe.model.layers[0].mlp.gate(moe.model.embed_tokens(ids).reshape(-1, 32))[2]
     assert len(chosen.unique()) > 2  # the router spreads tokens, it does not send all to one pair
+
+
+def test_the_load_balancing_loss_is_transformers_own_and_its_weight_adds_it_to_the_loss(moe_dirs):
+    from transformers import AutoModelForCausalLM
+
+    one = _rollout(moe_dirs["mixtral"]).select([0])
+    one.group_size = 1
+    prompt = one.prompt_ids_BP[0][one.prompt_mask_BP[0].bool()]
+    completion = one.completion_ids_BC[0][one.completion_mask_BC[0].bool()]
+    model = AutoModelForCausalLM.from_pretrained(moe_dirs["mixtral"])
+    with torch.no_grad():
+        expected = model(torch.cat([prompt, completion])[None], output_router_logits=True).aux_loss
+    plain = _trainer(moe_dirs["mixtral"], routing_replay="off").accumulate_gradients(one)
+    assert plain["router_aux_loss"] == pytest.approx(float(expected), rel=1e-5)
+    weighted = _trainer(moe_dirs["mixtral"], routing_replay="off", router_aux_coef=0.5).accumulate_gradients(
+        one
+    )
+    assert weighted["router_aux_loss"] == pytest.approx(plain["router_aux_loss"], rel=1e-6)
+    assert weighted["loss"] == pytest.approx(plain["loss"] + 0.5 * plain["router_aux_loss"], rel=1e-5)

@@ -68,6 +68,10 @@ class AlgorithmConfig(ConfigSection):
     """> 0: KL penalty to a frozen reference policy held by the trainer ranks"""
     kl_estimator: KLEstimatorName = "k3"
     """KL estimator of the penalty (k1, k2 or k3)"""
+    router_aux_coef: float = Field(0.0, ge=0)
+    """mixture-of-experts policies: weight of the routers' load-balancing loss (E x sum_e f_e P_e, as
+    transformers' `load_balancing_loss_func`, over the experts used) added to the policy loss; its
+    value is logged (router_aux_loss) at any weight"""
     routing_replay: RoutingReplay = "auto"
     """mixture-of-experts policies: r3 scores each sampled token through the experts the generator
     routed it to (the router still learns); off lets the trainer route itself; auto is r3 for a MoE

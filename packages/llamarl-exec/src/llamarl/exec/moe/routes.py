@@ -163,6 +163,32 @@ class RouteCounts:
     differing: int = 0
 
 
+class RouterLoad:
+    """How a forward's tokens loaded the experts, over every MoE layer, for the load-balancing loss:
+    E x sum_e f_e P_e, f_e the share of (token, k) choices that went to expert e and P_e its mean router
+    probability (transformers' `load_balancing_loss_func`, over the experts actually used: the
+    replayed ones under replay). P_e carries the router's gradient."""
+
+    def __init__(self) -> None:
+        self.chosen_E: torch.Tensor | None = None  # choices per expert, summed over layers
+        self.probs_E: torch.Tensor | None = None  # router probabilities, summed over layers and tokens
+        self.tokens = 0  # tokens, summed over layers
+
+    def add(self, probs_NE: torch.Tensor, chosen_NK: torch.Tensor) -> None:
+        counts_E = torch.bincount(chosen_NK.reshape(-1), minlength=probs_NE.shape[1]).to(probs_NE.dtype)
+        probs_E = probs_NE.sum(0)
+        self.chosen_E = counts_E if self.chosen_E is None else self.chosen_E + counts_E
+        self.probs_E = probs_E if self.probs_E is None else self.probs_E + probs_E
+        self.tokens += probs_NE.shape[0]
+
+    def loss(self) -> torch.Tensor | None:
+        """The load-balancing loss (a scalar with the routers' gradient), None when nothing was routed."""
+        if self.probs_E is None or not self.tokens:
+            return None
+        experts = self.probs_E.shape[0]
+        return experts * ((self.chosen_E / self.tokens) * (self.probs_E / self.tokens)).sum()
+
+
 class RouteReplay:
     """Replays recorded routes in a model's routers (the trainer's), from the next forward on.
 
@@ -172,7 +198,8 @@ class RouteReplay:
     recompute of an activation-checkpointed layer in backward replays the same ones. With
     `replaying=False` the routers route themselves and only the comparison is made. Positions in
     `counted_N` (the sampled tokens) count towards `counts`: recorded, and recorded but not what this
-    model chose in at least one layer.
+    model chose in at least one layer. The forwards after a `set` also add to the `RouterLoad` that
+    `take_load` hands over (a recompute in backward, after it, adds nothing: it was counted once).
     """
 
     def __init__(self, model: torch.nn.Module, *, replaying: bool) -> None:
@@ -182,6 +209,7 @@ class RouteReplay:
         self._routes_NLK: torch.Tensor | None = None
         self._counted_N: torch.Tensor | None = None
         self._differs_N: torch.Tensor | None = None
+        self._load: RouterLoad | None = None  # collecting since the last `set`, until `take_load`
         for layer, router in enumerate(self.routers):
             router.register_forward_hook(self._hook(layer))
 
@@ -196,6 +224,14 @@ class RouteReplay:
         self._routes_NLK = routes_NLK
         self._counted_N = counted_N
         self._differs_N = None
+        if self._load is None:
+            self._load = RouterLoad()
+
+    def take_load(self) -> RouterLoad:
+        """How the forwards since the last `take_load` loaded the experts; later ones (until the next
+        `set`) are not collected."""
+        load, self._load = self._load or RouterLoad(), None
+        return load
 
     def take_counts(self) -> RouteCounts:
         """The counts since the last `take_counts` (the last forward's included)."""
@@ -215,27 +251,36 @@ class RouteReplay:
 
     def _hook(self, layer: int) -> Callable[..., tuple[torch.Tensor, ...] | None]:
         def replay(module: torch.nn.Module, args: Any, output: tuple[torch.Tensor, ...]):
-            routes_NLK = self._routes_NLK
-            if routes_NLK is None:
-                return None
             logits_NE, scores_NK, natural_NK = output
-            if routes_NLK.shape[0] != natural_NK.shape[0]:
-                raise ValueError(
-                    f"routes for {routes_NLK.shape[0]} tokens replayed on a forward of {natural_NK.shape[0]}"
-                )
-            wanted_NK = routes_NLK[:, layer].to(natural_NK.device)
-            recorded_N = wanted_NK[:, 0] >= 0
-            with torch.no_grad():
-                # Same experts in another order is the same routing.
-                differs_N = (wanted_NK.sort(-1).values != natural_NK.sort(-1).values).any(-1) & recorded_N
-                self._differs_N = differs_N if self._differs_N is None else self._differs_N | differs_N
-            if not self.replaying:
-                return None
-            chosen_NK = torch.where(recorded_N[:, None], wanted_NK, natural_NK)
+            chosen_NK, replayed = self._choose(layer, natural_NK)
             probs_NE = torch.softmax(logits_NE.float(), dim=-1)
+            if self._load is not None:
+                self._load.add(probs_NE, chosen_NK)
+            if not replayed:
+                return None
             top_NK = probs_NE.gather(-1, chosen_NK)
             if ROUTER_NORMALISES[type(module).__name__](module):
                 top_NK = top_NK / top_NK.sum(-1, keepdim=True)
             return logits_NE, top_NK.to(scores_NK.dtype), chosen_NK
 
         return replay
+
+    def _choose(self, layer: int, natural_NK: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """The experts `layer` uses for the forward's tokens ([N, K]), and whether they are replayed
+        ones; compares the recorded routes with the router's own choice on the way."""
+        routes_NLK = self._routes_NLK
+        if routes_NLK is None:
+            return natural_NK, False
+        if routes_NLK.shape[0] != natural_NK.shape[0]:
+            raise ValueError(
+                f"routes for {routes_NLK.shape[0]} tokens replayed on a forward of {natural_NK.shape[0]}"
+            )
+        wanted_NK = routes_NLK[:, layer].to(natural_NK.device)
+        recorded_N = wanted_NK[:, 0] >= 0
+        with torch.no_grad():
+            # Same experts in another order is the same routing.
+            differs_N = (wanted_NK.sort(-1).values != natural_NK.sort(-1).values).any(-1) & recorded_N
+            self._differs_N = differs_N if self._differs_N is None else self._differs_N | differs_N
+        if not self.replaying:
+            return natural_NK, False
+        return torch.where(recorded_N[:, None], wanted_NK, natural_NK), True

@@ -270,8 +270,9 @@ class PolicyTrainer:
             batch.num_completion_tokens, batch.num_sequences
         )
         totals = StepTotals()
-        if self.forward.replay is not None:
-            self.forward.replay.take_counts()  # (what compute_logprobs compared is not this step's)
+        if self.forward.replay is not None:  # (what compute_logprobs saw is not this step's)
+            self.forward.replay.take_counts()
+            self.forward.replay.take_load()
         for rows in self.forward.micro_batches(batch):
             logprobs_MC, entropy_MC, mask_MC = self.forward.logprobs(model, batch, rows, device)
             loss, loss_metrics = self._micro_batch_loss(
@@ -283,6 +284,8 @@ class PolicyTrainer:
                 num_valid_tokens,
                 num_sequences,
             )
+            if self.forward.replay is not None:
+                loss = self._add_router_load(loss, loss_metrics, mask_MC, num_valid_tokens)
             loss.backward()
             totals.add(loss, logprobs_MC, entropy_MC, mask_MC, loss_metrics)
             del logprobs_MC, loss, loss_metrics  # free this micro-batch's graph before the next forward
@@ -348,6 +351,25 @@ class PolicyTrainer:
             num_valid_tokens=denominator_tokens,
         )
         return loss + kl_loss, {**loss_metrics, **kl_metrics}
+
+    def _add_router_load(
+        self,
+        loss: torch.Tensor,
+        loss_metrics: dict[str, torch.Tensor],
+        mask_MC: torch.Tensor,
+        num_valid_tokens: int,
+    ) -> torch.Tensor:
+        """A mixture of experts: the micro-batch's load-balancing loss goes into its metrics
+        (router_aux_loss, averaged over the step's tokens like the others) and, weighted by
+        `router_aux_coef` and the micro-batch's share of the tokens, into its loss."""
+        aux = self.forward.replay.take_load().loss()
+        if aux is None:
+            return loss
+        loss_metrics["router_aux_loss"] = aux.detach()
+        if not self.algorithm.router_aux_coef:
+            return loss
+        share = float(mask_MC.sum()) / max(num_valid_tokens, 1)
+        return loss + self.algorithm.router_aux_coef * share * aux
 
     @torch.no_grad()
     def compute_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
