@@ -13,6 +13,10 @@ download):
              train on, load, compare model and optimizer bitwise
     app      the arith app, trainer and generator sharing the GPU (ranks.colocate), in async and in
              stream mode for a few steps
+    moe      routing replay on a mixture of experts (Qwen3-MoE from a config): the HF generator samples
+             in bf16 on the GPU and records each token's experts; the trainer's log-probs of those
+             tokens with its own routing (off) and with the generator's replayed (r3): the share of
+             sampled tokens routed differently in some layer and |log pi - log mu| of each
     trace    timings for the simulator's GPU calibration, written to OUT/gpu_trace.json: decoding steps
              of the model at a few batch sizes (eager, and with a CUDA graph where one can be captured)
              and timed training steps of the app's trainer; `tools/simulate.py from-run OUT` fits the
@@ -21,7 +25,7 @@ download):
 `--cpu` runs the same checks on the CPU (gloo only, smaller models): a dry run of the script's logic
 for a machine without a GPU. Usage:
 
-    tools/gpu_check.sh [--cpu] [--checks fsdp,sync,dcp,app,trace] [--out DIR]
+    tools/gpu_check.sh [--cpu] [--checks fsdp,sync,dcp,app,moe,trace] [--out DIR]
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from typing import Any
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-CHECKS = ("fsdp", "sync", "dcp", "app", "trace")
+CHECKS = ("fsdp", "sync", "dcp", "app", "moe", "trace")
 
 # Model sizes (Llama from a config): on the GPU big enough for bandwidth and step times to mean
 # something (~200M parameters), on the CPU small enough for a dry run.
@@ -53,6 +57,11 @@ CPU_MODEL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num
                  num_key_value_heads=2, vocab_size=512)  # fmt: skip
 APP_MODEL = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=512)  # fmt: skip
+# The MoE of the `moe` check (Qwen3-MoE): 16 experts, 4 per token on the GPU; 4 and 2 on the CPU.
+GPU_MOE = dict(hidden_size=512, moe_intermediate_size=256, num_hidden_layers=8, num_attention_heads=8,
+               num_key_value_heads=4, vocab_size=32000, num_experts=16, num_experts_per_tok=4)  # fmt: skip
+CPU_MOE = dict(hidden_size=64, moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, vocab_size=512, num_experts=4, num_experts_per_tok=2)  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------
@@ -407,6 +416,50 @@ TRACE_FORMAT = "llamarl-gpu-trace/1"
 TRACE_BATCHES_GPU, TRACE_BATCHES_CPU = (1, 8, 32, 64), (1, 4)
 
 
+def check_moe(scratch: Path, cpu: bool) -> list[dict]:
+    """Routing replay: the generator's bf16 routes against the trainer's own, and replayed."""
+    from llamarl.exec import HFGenerator, SamplingConfig
+    from llamarl.exec.models import tiny_moe_model
+    from llamarl.exec.testing import build_trainer
+
+    device = _device(cpu)
+    sizes = CPU_MOE if cpu else GPU_MOE
+    folder = scratch / "moe_model"
+    tiny_moe_model(
+        "qwen3_moe",
+        sizes["vocab_size"],
+        seed=0,
+        eos_token_id=2,
+        pad_token_id=0,
+        **{k: v for k, v in sizes.items() if k != "vocab_size"},
+    ).save_pretrained(folder)
+    dtype = "float32" if cpu else "bfloat16"
+    generator = HFGenerator(str(folder), SamplingConfig(), device=str(device), dtype=dtype, seed=0)
+    generator.setup()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, sizes["vocab_size"], (32,), generator=g).tolist() for _ in range(8)]
+    batch = generator.generate(prompts, samples_per_prompt=4, max_new_tokens=64 if not cpu else 16)
+    generator.close()
+    batch.rewards_B = torch.rand(batch.num_sequences, generator=g)
+    rows, gaps = [], {}
+    for replay in ("off", "r3"):
+        trainer = build_trainer(
+            str(folder), device=str(device), compute_dtype=dtype, routing_replay=replay, lr=0.0, seed=0
+        )
+        trainer.setup()
+        metrics = trainer.train_step(batch)
+        gaps[replay] = metrics["logprob_gap_abs_mean"]
+        figure = f"{metrics['routing_mismatch']:.1%} routed apart"
+        note = f"log-prob gap {gaps[replay]:.4f} (mean abs), ratio max {metrics['ratio_max']:.3f}"
+        rows.append(row(f"moe routing replay [{replay}]", True, figure, note))
+        trainer.close()
+    if gaps["r3"] > gaps["off"]:
+        rows[-1] = row(
+            "moe routing replay [r3]", False, rows[-1]["figure"], "replay widened the log-prob gap"
+        )
+    return rows
+
+
 def _shape(config) -> dict:
     """The transformers config's numbers the simulator prices a model with."""
     heads = config.num_attention_heads
@@ -599,6 +652,7 @@ def main() -> int:
         ("sync", lambda: check_sync(big, args.cpu)),
         ("dcp", lambda: check_dcp(big, args.cpu, scratch)),
         ("app", lambda: check_app(app_model(), args.cpu, scratch, args.app_modes.split(","))),
+        ("moe", lambda: check_moe(scratch, args.cpu)),
         ("trace", lambda: check_trace(big, args.cpu, scratch)),
     ]
     for name, run in steps:

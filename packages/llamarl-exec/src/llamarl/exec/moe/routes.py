@@ -51,8 +51,10 @@ def num_experts(config: Any) -> int:
 
 
 def router_class_names(architecture: str) -> list[str]:
-    """The router classes transformers' module of `architecture` (e.g. "MixtralForCausalLM") defines."""
-    import importlib
+    """The router classes transformers' module of `architecture` (e.g. "MixtralForCausalLM") defines,
+    read from its source (importing a modeling module costs seconds, before any rank starts)."""
+    import importlib.util
+    import re
 
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -61,8 +63,11 @@ def router_class_names(architecture: str) -> list[str]:
     )
     if model_type is None:
         return []
-    module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
-    return [name for name in vars(module) if name.endswith("Router")]
+    spec = importlib.util.find_spec(f"transformers.models.{model_type}.modeling_{model_type}")
+    if spec is None or spec.origin is None:
+        return []
+    with open(spec.origin, encoding="utf-8") as source:
+        return re.findall(r"^class (\w+Router)\b", source.read(), flags=re.MULTILINE)
 
 
 def check_routing(config: Any, replay: str, *, model: str) -> str | None:
