@@ -158,3 +158,11 @@ def test_a_run_that_names_no_generator_gets_one_said_in_one_line_and_recorded(
     assert choose_generator(named, say=said.append) is named
     lora = replace_in(long_run, **{"trainer.lora.rank": 8})
     assert choose_generator(lora, say=print).generator.backend == "hf"
+    # So does a mixture of experts (vLLM takes neither its weight syncs nor its routes yet).
+    from llamarl.exec.models import tiny_moe_model
+
+    tiny_moe_model("olmoe", 64).save_pretrained(tmp_path / "moe")
+    said.clear()
+    moe = replace_in(long_run, model=str(tmp_path / "moe"))
+    assert choose_generator(moe, say=said.append).generator.backend == "hf"
+    assert "mixture of experts" in said[-1], said
