@@ -101,7 +101,7 @@ class FakeRewarder:
 
     num_failures = 0
 
-    def score(self, prompts: list, completions: list[str], rows: list[dict]) -> list[float]:
+    def score(self, prompts: list, completions: list[str], rows: list[dict], *, progress=None) -> list[float]:
         return [
             float(int(c) % 2 == 1 and r["reference"] == "first")
             for c, r in zip(completions, rows, strict=True)

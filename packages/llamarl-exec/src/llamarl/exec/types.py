@@ -267,8 +267,16 @@ class Rewarder(Protocol):
 
     def setup(self) -> None: ...
 
-    def score(self, prompts: list[list[dict]], completions: list[str], rows: list[dict]) -> list[float]:
-        """The weighted reward of each (prompt messages, completion text, dataset row), in order."""
+    def score(
+        self,
+        prompts: list[list[dict]],
+        completions: list[str],
+        rows: list[dict],
+        *,
+        progress: Callable[[], None] | None = None,
+    ) -> list[float]:
+        """The weighted reward of each (prompt messages, completion text, dataset row), in order;
+        `progress` is called as samples are scored (the waiting ranks see an evaluation going on)."""
         ...
 
     def close(self) -> None: ...

@@ -39,7 +39,8 @@ class HeldOutAnswers:
         heartbeat: Callable[[], None],
     ) -> None:
         """`sampler` samples from the held-out `prompts`; `samples` is eval.samples (K, 0: greedy only);
-        `heartbeat` is called between decoding steps (the waiting ranks see progress)."""
+        `heartbeat` is called between decoding steps and as answers are scored (the waiting ranks see
+        progress)."""
         self.task = task
         self.sampler = sampler
         self.prompts = prompts
@@ -66,7 +67,11 @@ class HeldOutAnswers:
         """K answers to each question (greedy when K is 1): their mean reward and the fraction right
         (zeros where the task does not say), each [len(questions)]; every answer logged."""
         sampled = self.sampler.sample(
-            questions, samples_per_prompt=k, greedy=k == 1, between_steps=self.heartbeat
+            questions,
+            samples_per_prompt=k,
+            greedy=k == 1,
+            between_steps=self.heartbeat,
+            heartbeat=self.heartbeat,
         )
         rewards = sampled.batch.rewards_B.tolist()
         correct = []

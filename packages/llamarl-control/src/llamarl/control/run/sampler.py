@@ -82,10 +82,12 @@ class TaskSampler:
         greedy: bool = False,
         between_steps: Callable[[], None] | None = None,
         resume: InFlightRequest | None = None,
+        heartbeat: Callable[[], None] | None = None,
     ) -> Sampled:
         """Samples and scores `samples_per_prompt` completions or episodes of each prompt in `indices`.
 
         `resume`: a paused request of these prompts, continued instead of starting anew (single-turn).
+        `heartbeat`: called as the reward functions score the samples (an evaluation's progress).
         Raises `GenerationPaused` when `between_steps` paused the generate (single-turn only: an
         episode's turns are not paused)."""
         if self.episodes is not None:
@@ -112,7 +114,8 @@ class TaskSampler:
         assert self.rewarder is not None, "a single-turn task is scored by its reward functions"
         start = time.perf_counter()
         with self.phase("score"):
-            batch.rewards_B = torch.tensor(self.rewarder.score(prompts, texts, rows), dtype=torch.float32)
+            rewards = self.rewarder.score(prompts, texts, rows, progress=heartbeat)
+            batch.rewards_B = torch.tensor(rewards, dtype=torch.float32)
         return Sampled(batch=batch, texts=texts, answers=texts, score_s=time.perf_counter() - start)
 
     def _episodes(self, indices: list[int], G: int, greedy: bool, between_steps) -> Sampled:

@@ -33,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
@@ -225,8 +225,16 @@ class ProcessRewarder:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def score(self, prompts: list[Messages], completions: list[str], rows: list[dict]) -> list[float]:
-        """One weighted reward per sample, in order; 0.0 for samples whose scoring timed out or failed."""
+    def score(
+        self,
+        prompts: list[Messages],
+        completions: list[str],
+        rows: list[dict],
+        *,
+        progress: Callable[[], None] | None = None,
+    ) -> list[float]:
+        """One weighted reward per sample, in order; 0.0 for samples whose scoring timed out or failed.
+        `progress` is called each time a worker's job ends (scored, failed or timed out)."""
         if not len(prompts) == len(completions) == len(rows):
             raise ValueError(f"{len(prompts)} prompts, {len(completions)} completions and {len(rows)} rows")
         self.setup()
@@ -250,6 +258,10 @@ class ProcessRewarder:
                         remaining -= self._receive(worker, batch)
                     elif time.monotonic() >= worker.deadline:
                         remaining -= self._lost(worker, batch, timed_out=True)
+                    else:
+                        continue
+                    if progress is not None:
+                        progress()
         finally:
             self._shrink()
             batch.report()
