@@ -94,7 +94,10 @@ def run(config: RunConfig, task: Task, resolve_data: DataResolver | None = None)
     other than the first trainer rank)."""
     from llamarl.control.launch.generator_choice import choose_generator
     from llamarl.control.launch.launcher import launch, run_this_rank, under_torchrun
+    from llamarl.control.launch.output_dir import refuse_if_in_use
 
+    if not under_torchrun() and config.launch.nnodes == 1:  # (machines of one job share the folder)
+        refuse_if_in_use(config.output_dir)  # a folder that cannot serve is said first
     eval_size_given = "size" in config.eval.model_fields_set  # before replace_in sets every field
     changes: dict[str, Any] = {"model": resolve_model(config.model, config.ranks.device)}
     if resolve_data is not None:

@@ -46,6 +46,22 @@ def prepare_output_dir(path: Path) -> None:
         raise ConfigError(f"output.dir (--output-dir) {path}: cannot write in it ({_reason(e)})") from None
 
 
+def refuse_if_in_use(path: Path) -> None:
+    """Prepares `path` and refuses in one line when another run holds it now: said first, before the
+    model and the data load (the run takes the lock itself later, in `hold_output_dir`)."""
+    prepare_output_dir(path)
+    lock_path = path / LOCK_FILE
+    if not lock_path.is_file():
+        return
+    fd = os.open(lock_path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise ConfigError(_in_use(path, _read_holder(lock_path))) from None
+    finally:
+        os.close(fd)  # (drops the shared lock, if taken)
+
+
 @contextlib.contextmanager
 def hold_output_dir(path: Path, job: str) -> Iterator[None]:
     """Prepares `path` (`prepare_output_dir`) and holds it for job `job` while the context lasts.
