@@ -206,16 +206,13 @@ def check_model(config: RunConfig) -> None:
     context cannot hold, routing replay it cannot have (`llamarl.exec.moe.routes.check_routing`: replay
     of a dense model, a mixture of experts whose router has no recorder), a mixture of experts on a
     generator or with adapters that do not serve one yet."""
-    from transformers import AutoConfig
-
+    from llamarl.exec.models import read_model_config
     from llamarl.exec.moe.routes import check_routing, num_experts
     from llamarl.exec.train.expert_parallel import check_expert_parallel
 
     try:
-        model_config = AutoConfig.from_pretrained(config.model)
-    except (
-        Exception
-    ):  # resolve_model checked it loads; a config without a context length is no reason to stop
+        model_config = read_model_config(config.model)
+    except Exception:  # resolve_model checked it loads; a config that does not say is no reason to stop
         return
     context = next(
         (

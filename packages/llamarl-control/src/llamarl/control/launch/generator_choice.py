@@ -9,7 +9,6 @@ without choosing again. A run that names its generator never probes or builds an
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 from dataclasses import replace
@@ -77,12 +76,11 @@ def run_workload(config: RunConfig) -> Workload:
 
 
 def is_mixture_of_experts(folder: Path) -> bool:
-    """Whether the model folder's config.json describes a mixture of experts (read without transformers)."""
-    from types import SimpleNamespace
-
+    """Whether the model folder's config.json describes a mixture of experts."""
+    from llamarl.exec.models import read_model_config
     from llamarl.exec.moe.routes import num_experts
 
-    return bool(num_experts(SimpleNamespace(**json.loads((folder / "config.json").read_text()))))
+    return bool(num_experts(read_model_config(folder)))
 
 
 def vllm_obstacle(config: RunConfig, *, cuda: bool) -> str | None:
