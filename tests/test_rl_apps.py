@@ -118,6 +118,11 @@ def test_gsm8k_app_trains_in_both_modes(request, gsm8k_dir, tmp_path, mode, mode
     moe = model == "tiny_moe_model_dir"
     assert [0.0 <= m.get("train/routing_mismatch", -1) <= 1.0 for m in metrics] == [moe] * 3
     assert all(m["train/logprob_gap_abs_mean"] >= 0 for m in metrics)
+    # float32 weights on the wire: weight_sync.delta auto sends them whole (nearly every value changes).
+    fractions = [
+        m["weight_sync/sent_fraction"] for m in metrics if m["weight_sync/mb"] == m["weight_sync/mb"]
+    ]
+    assert fractions and all(f == 1.0 for f in fractions), fractions
     # The offline W&B run (what `wandb sync` uploads) is in the project asked for.
     (wandb_run,) = out.glob("wandb/offline-run-*/run-*.wandb")
     assert b"llamarl-app-test" in wandb_run.read_bytes()

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from llamarl.comm import WeightSyncError
+from llamarl.comm import SyncStats, WeightSyncError
 from llamarl.control.outputs.timeline import Timeline
 from llamarl.control.run.channels.rollouts import GENERATOR_TOTALS
 from llamarl.control.run.refused_steps import RefusedSteps
@@ -130,7 +130,7 @@ class TrainerLoop:
         self,
         *,
         trainer: Trainer,
-        send_weights: Callable[[int], None],
+        send_weights: Callable[[int], SyncStats | None],
         max_policy_lag: int,
         timeline: Timeline,
         paused_s: Callable[[], float] = lambda: 0.0,
@@ -156,6 +156,8 @@ class TrainerLoop:
         # Seconds the loop was paused so far (evaluations inside it): left out of the step times.
         self.paused_s = paused_s
         self.last_sync_s = float("nan")
+        # This rank's share of the last sync: bytes sent, and what a full sync would have sent.
+        self.last_sync_bytes, self.last_sync_full_bytes = float("nan"), float("nan")
         self.generator_stats = GeneratorStats()
         self.before_step = before_step
         self.generators_done = generators_done
@@ -172,7 +174,9 @@ class TrainerLoop:
         start = time.perf_counter()
         with self.timeline.phase("weight_sync", self.tick):
             try:
-                self._send(self.policy_version)
+                stats = self._send(self.policy_version)
+                if stats is not None:
+                    self.last_sync_bytes, self.last_sync_full_bytes = stats.bytes, stats.full_bytes
             except WeightSyncError as e:
                 if not self.tolerate_sync_failures:
                     raise
@@ -218,6 +222,13 @@ class TrainerLoop:
             "time/train_s": train_s,
             "time/generate_s": generate_s,
             "time/weight_sync_s": self.last_sync_s,
+            # (changed-only syncs send a small share of it: weight_sync.delta)
+            "weight_sync/mb": self.last_sync_bytes / 2**20,
+            "weight_sync/sent_fraction": (
+                self.last_sync_bytes / self.last_sync_full_bytes
+                if self.last_sync_full_bytes
+                else float("nan")
+            ),
             "throughput/generated_tokens_per_s": tokens / step_s if step_s == step_s else float("nan"),
             "throughput/generator_tokens_per_s": tokens / generate_s if generate_s > 0 else float("nan"),
             "throughput/trainer_tokens_per_s": tokens / train_s,

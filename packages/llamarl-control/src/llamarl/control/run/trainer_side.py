@@ -89,6 +89,7 @@ class TrainerSide(Side):
             endpoint,
             bucket_mb=cfg.weight_sync.bucket_mb,
             wire_dtype=weight_wire_dtype(generation_dtype(cfg.generator.precision, self.device)),
+            delta={"auto": None, "on": True, "off": False}[cfg.weight_sync.delta],
         )
         self.loop = TrainerLoop(
             trainer=self.trainer,
