@@ -118,11 +118,10 @@ def test_gsm8k_app_trains_in_both_modes(request, gsm8k_dir, tmp_path, mode, mode
     moe = model == "tiny_moe_model_dir"
     assert [0.0 <= m.get("train/routing_mismatch", -1) <= 1.0 for m in metrics] == [moe] * 3
     assert all(m["train/logprob_gap_abs_mean"] >= 0 for m in metrics)
-    # float32 weights on the wire: weight_sync.delta auto sends them whole (nearly every value changes).
-    fractions = [
-        m["weight_sync/sent_fraction"] for m in metrics if m["weight_sync/mb"] == m["weight_sync/mb"]
-    ]
-    assert fractions and all(f == 1.0 for f in fractions), fractions
+    # Each sync's share of a full one: the first is whole (its headers on top, with changed-only syncs:
+    # bf16 on the wire where the CPU has it), none sends more.
+    fractions = [m["weight_sync/sent_fraction"] for m in metrics if "weight_sync/mb" in m]  # (after a sync)
+    assert fractions and fractions[0] >= 1.0 and all(f <= fractions[0] for f in fractions), fractions
     # The offline W&B run (what `wandb sync` uploads) is in the project asked for.
     (wandb_run,) = out.glob("wandb/offline-run-*/run-*.wandb")
     assert b"llamarl-app-test" in wandb_run.read_bytes()
@@ -336,20 +335,25 @@ def test_a_long_evaluation_never_trips_the_timeout_on_the_waiting_ranks(tiny_mod
 
 
 @pytest.mark.timeout(600)
-def test_app_trains_on_two_fsdp2_trainer_ranks(tiny_model_dir, gsm8k_dir, tmp_path):
-    """Ranks 0-1 train under FSDP2 (packed micro-batches, activation checkpointing, a reference penalised
-    by the k2 KL estimator, cosine schedule, clipping), rank 2 generates; the final model is gathered
-    from the shards and saved."""
+def test_app_trains_on_two_fsdp2_trainer_ranks_with_the_experts_sharded_by_expert(
+    tiny_moe_model_dir, gsm8k_dir, tmp_path
+):
+    """Ranks 0-1 train a mixture of experts under FSDP2, its experts sharded by expert between them
+    (tokens exchanged all-to-all), with packed micro-batches, activation checkpointing, a reference
+    penalised by the k2 KL estimator, cosine schedule, clipping; rank 2 generates; the final model is
+    gathered from the shards and saved. (A dense model's FSDP2 run: tests/test_fault_tolerance.py.)"""
+    tiny_model_dir = tiny_moe_model_dir
     out = tmp_path / "fsdp2"
     args = [a for a in common_args(tiny_model_dir, gsm8k_dir, out) if a != "--no-save-model"]
     result = run_app(
         "gsm8k_rl", *args, "--num-trainers", "2", "--no-wandb", "--pack-tokens", "64",
         "--kl-coef", "0.1", "--kl-estimator", "k2", "--lr-schedule", "cosine", "--warmup-steps", "1",
-        "--activation-checkpointing", "--max-grad-norm", "0.5",
+        "--activation-checkpointing", "--max-grad-norm", "0.5", "--trainer.expert-parallel",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]
     trainer = resolved_config(out)["trainer"]
     assert trainer["activation_checkpointing"] is True and trainer["max_grad_norm"] == 0.5
+    assert trainer["expert_parallel"] is True
     summary = json.loads((out / "summary.json").read_text())
     assert summary["num_trainers"] == 2 and summary["final_policy_version"] == 3
     assert summary["weight_sync_s"] > 0

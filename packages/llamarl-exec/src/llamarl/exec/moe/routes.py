@@ -257,25 +257,34 @@ class RouteReplay:
     def _hook(self, layer: int) -> Callable[..., tuple[torch.Tensor, ...] | None]:
         def replay(module: torch.nn.Module, args: Any, output: tuple[torch.Tensor, ...]):
             logits_NE, scores_NK, natural_NK = output
-            chosen_NK, replayed = self._choose(layer, natural_NK)
+            replaced_N, wanted_NK = self._compare(layer, natural_NK)
             probs_NE = torch.softmax(logits_NE.float(), dim=-1)
+            if replaced_N is None or not self.replaying or not bool(replaced_N.any()):
+                # Nothing to replace: the router's own output, bitwise (its own float steps).
+                if self._load is not None:
+                    self._load.add(probs_NE, natural_NK)
+                return None
+            chosen_NK = torch.where(replaced_N[:, None], wanted_NK, natural_NK)
             if self._load is not None:
                 self._load.add(probs_NE, chosen_NK)
-            if not replayed:
-                return None
             top_NK = probs_NE.gather(-1, chosen_NK)
             if ROUTER_NORMALISES[type(module).__name__](module):
                 top_NK = top_NK / top_NK.sum(-1, keepdim=True)
-            return logits_NE, top_NK.to(scores_NK.dtype), chosen_NK
+            # Tokens whose recorded experts are the router's own keep its scores, bit for bit.
+            scores_NK = torch.where(replaced_N[:, None], top_NK.to(scores_NK.dtype), scores_NK)
+            return logits_NE, scores_NK, chosen_NK
 
         return replay
 
-    def _choose(self, layer: int, natural_NK: torch.Tensor) -> tuple[torch.Tensor, bool]:
-        """The experts `layer` uses for the forward's tokens ([N, K]), and whether they are replayed
-        ones; compares the recorded routes with the router's own choice on the way."""
+    def _compare(
+        self, layer: int, natural_NK: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Which of the forward's tokens have recorded experts other than the router's own choice in
+        `layer` ([N] bool; the same experts in another order are the same routing), and those recorded
+        experts ([N, K]); (None, None) without routes. Counted on the way (`counts`)."""
         routes_NLK = self._routes_NLK
         if routes_NLK is None:
-            return natural_NK, False
+            return None, None
         if routes_NLK.shape[0] != natural_NK.shape[0]:
             raise ValueError(
                 f"routes for {routes_NLK.shape[0]} tokens replayed on a forward of {natural_NK.shape[0]}"
@@ -283,9 +292,6 @@ class RouteReplay:
         wanted_NK = routes_NLK[:, layer].to(natural_NK.device)
         recorded_N = wanted_NK[:, 0] >= 0
         with torch.no_grad():
-            # Same experts in another order is the same routing.
             differs_N = (wanted_NK.sort(-1).values != natural_NK.sort(-1).values).any(-1) & recorded_N
             self._differs_N = differs_N if self._differs_N is None else self._differs_N | differs_N
-        if not self.replaying:
-            return natural_NK, False
-        return torch.where(recorded_N[:, None], wanted_NK, natural_NK), True
+        return differs_N, wanted_NK

@@ -62,10 +62,11 @@ class PolicyLogprobs:
         self.trainer = trainer
         self.temperature = temperature
         self.group = group
-        # A mixture of experts: the recorded routes are laid out for each forward of `replay_model`
-        # (the policy the trainer steps; never the reference) and replayed or compared there.
-        self.replay: RouteReplay | None = None
-        self.replay_model: torch.nn.Module | None = None
+        # A mixture of experts: the recorded routes are laid out for each forward of a model that has
+        # a RouteReplay here (the policy, and the reference: the KL then compares weights, not routes)
+        # and replayed or compared there; `_replaying` is the one of the micro-batch under way.
+        self.replays: dict[torch.nn.Module, RouteReplay] = {}
+        self._replaying: RouteReplay | None = None
 
     def micro_batches(self, batch: RolloutBatch) -> list[slice]:
         """Consecutive rows per micro-batch: `micro_batch_size` sequences, or a token budget when packing."""
@@ -123,17 +124,18 @@ class PolicyLogprobs:
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The micro-batch's recorded routes (prompt_MPLK, completion_MCLK; int64, NO_ROUTE where none)
         when `model` replays them, else None (and `model` routes itself)."""
-        if self.replay is None or model is not self.replay_model:
+        self._replaying = self.replays.get(model)
+        if self._replaying is None:
             return None
         if not batch.has_routes:
-            self.replay.set(None)
+            self._replaying.set(None)
             return None
         return read_routes(batch.prompt_routes_BPLK[rows]), read_routes(batch.completion_routes_BCLK[rows])
 
     def _replay(self, routes_NLK: torch.Tensor | None, counted_N: torch.Tensor | None = None) -> None:
         """Routes for the next forward of the replaying model (see `_routes`)."""
-        if self.replay is not None and routes_NLK is not None:
-            self.replay.set(routes_NLK, counted_N)
+        if self._replaying is not None and routes_NLK is not None:
+            self._replaying.set(routes_NLK, counted_N)
 
     def _packed_logprobs(
         self,

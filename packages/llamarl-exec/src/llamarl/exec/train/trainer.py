@@ -79,6 +79,7 @@ class PolicyTrainer:
     ref_model: torch.nn.Module | None
     _compute_copy: ComputeCopy | None
     optimizer: torch.optim.Optimizer | None
+    route_replay: RouteReplay | None  # a mixture of experts: the policy's router hooks (routing replay)
     scheduler: torch.optim.lr_scheduler.LRScheduler | None
 
     def __init__(
@@ -114,7 +115,6 @@ class PolicyTrainer:
         self.seed = seed
         self.group = group
         self.policy_version = 0
-        self.close()  # nothing loaded before setup()
         self.loss_fn = get_policy_loss(
             algorithm.loss,
             mismatch_is=algorithm.mismatch_is,
@@ -123,6 +123,7 @@ class PolicyTrainer:
         )
         self.advantage_fn = get_advantage_estimator(algorithm.advantage)
         self.forward = PolicyLogprobs(config, temperature=temperature, group=group)
+        self.close()  # nothing loaded before setup()
 
     def setup(self) -> None:
         """Loads the model and builds the optimizer."""
@@ -135,8 +136,10 @@ class PolicyTrainer:
         self._compute_copy, self.ref_model = modules.compute_copy, modules.ref_model
         if find_routers(self.compute_model):  # a mixture of experts: routing replay (or its comparison)
             replaying = self.algorithm.routing_replay != "off"
-            self.forward.replay = RouteReplay(self.compute_model, replaying=replaying)
-            self.forward.replay_model = self.compute_model
+            self.route_replay = RouteReplay(self.compute_model, replaying=replaying)
+            self.forward.replays = {self.compute_model: self.route_replay}
+            if self.ref_model is not None:
+                self.forward.replays[self.ref_model] = RouteReplay(self.ref_model, replaying=replaying)
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
             lr=cfg.lr,
@@ -158,6 +161,8 @@ class PolicyTrainer:
         self.compute_model = None
         self._compute_copy = None
         self.ref_model = None
+        self.route_replay = None
+        self.forward.replays = {}
         self.optimizer = None
         self.scheduler = None
 
@@ -270,9 +275,9 @@ class PolicyTrainer:
             batch.num_completion_tokens, batch.num_sequences
         )
         totals = StepTotals()
-        if self.forward.replay is not None:  # (what compute_logprobs saw is not this step's)
-            self.forward.replay.take_counts()
-            self.forward.replay.take_load()
+        if self.route_replay is not None:  # (what compute_logprobs saw is not this step's)
+            self.route_replay.take_counts()
+            self.route_replay.take_load()
         for rows in self.forward.micro_batches(batch):
             logprobs_MC, entropy_MC, mask_MC = self.forward.logprobs(model, batch, rows, device)
             loss, loss_metrics = self._micro_batch_loss(
@@ -284,7 +289,7 @@ class PolicyTrainer:
                 num_valid_tokens,
                 num_sequences,
             )
-            if self.forward.replay is not None:
+            if self.route_replay is not None:
                 loss = self._add_router_load(loss, loss_metrics, mask_MC, num_valid_tokens)
             loss.backward()
             totals.add(loss, logprobs_MC, entropy_MC, mask_MC, loss_metrics)
@@ -296,8 +301,8 @@ class PolicyTrainer:
             num_sequences=num_sequences,
             group=self.group,
         )
-        if self.forward.replay is not None:
-            counts = self.forward.replay.take_counts()
+        if self.route_replay is not None:
+            counts = self.route_replay.take_counts()
             compared, differing = all_reduce_sum([counts.compared, counts.differing], self.group)
             # Sampled tokens whose experts here differ from the generator's in at least one layer (before
             # replay: what replay corrects); nan when the batch carries no routes.
@@ -362,7 +367,7 @@ class PolicyTrainer:
         """A mixture of experts: the micro-batch's load-balancing loss goes into its metrics
         (router_aux_loss, averaged over the step's tokens like the others) and, weighted by
         `router_aux_coef` and the micro-batch's share of the tokens, into its loss."""
-        aux = self.forward.replay.take_load().loss()
+        aux = self.route_replay.take_load().loss()
         if aux is None:
             return loss
         loss_metrics["router_aux_loss"] = aux.detach()
