@@ -24,6 +24,10 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=4, help="experts per MoE layer")
     parser.add_argument("--top-k", type=int, default=2, help="experts per token")
     parser.add_argument("--seed", type=int, default=0, help="seed of the routers' initial weights")
+    parser.add_argument(
+        "--expert-noise", type=float, default=0.0,
+        help="each copy's weights times 1 + this x N(0, 1): copies differ, so routing matters (0: exact)",
+    )  # fmt: skip
     args = parser.parse_args()
 
     from llamarl.exec.models import load_model_and_tokenizer, smollm2_path
@@ -31,7 +35,14 @@ def main() -> None:
 
     dense = args.model or smollm2_path()
     start = time.perf_counter()
-    out = upcycle_folder(dense, args.out, experts=args.experts, top_k=args.top_k, seed=args.seed)
+    out = upcycle_folder(
+        dense,
+        args.out,
+        experts=args.experts,
+        top_k=args.top_k,
+        seed=args.seed,
+        expert_noise=args.expert_noise,
+    )
     model, _ = load_model_and_tokenizer(out, with_tokenizer=False)
     dense_model, _ = load_model_and_tokenizer(dense, with_tokenizer=False)
     ids = torch.randint(0, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))

@@ -5,6 +5,10 @@ embeddings under the same names, its MLP as the experts). The router is random a
 spread over the experts, and its top-k probabilities are renormalised to sum to one: every expert being
 the same MLP, each token's output is that MLP's, and the upcycled model computes what the dense one does
 (to float rounding). Training then moves the copies apart, and the router with them.
+
+While the copies are the same, which experts a token goes to changes nothing it computes: routing is
+moot. `expert_noise` makes each copy a little different (its weights times 1 + noise x N(0, 1)), so
+that routing matters from the first step (for measuring routing replay), at the cost of the exact match.
 """
 
 from __future__ import annotations
@@ -18,10 +22,17 @@ _NOT_MIXTRAL = ("architectures", "model_type", "mlp_bias", "pretraining_tp", "tr
 
 
 def upcycle(
-    dense: torch.nn.Module, *, experts: int = 4, top_k: int = 2, router_std: float = 0.02, seed: int = 0
+    dense: torch.nn.Module,
+    *,
+    experts: int = 4,
+    top_k: int = 2,
+    router_std: float = 0.02,
+    expert_noise: float = 0.0,
+    seed: int = 0,
 ) -> torch.nn.Module:
     """A MixtralForCausalLM whose every MLP is `experts` copies of `dense`'s (a LlamaForCausalLM), `top_k`
-    of them per token, its routers drawn from N(0, router_std) with `seed`; in `dense`'s dtype."""
+    of them per token, its routers drawn from N(0, router_std) with `seed`, each copy's weights times
+    1 + expert_noise x N(0, 1) (see the module doc); in `dense`'s dtype."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
     if dense.config.model_type != "llama":
@@ -41,10 +52,14 @@ def upcycle(
             state[name] = tensor
     for index, layer in enumerate(dense.model.layers):
         mlp, prefix = layer.mlp, f"model.layers.{index}.mlp"
-        gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])  # [2I, H]: gate rows, then up
-        state[f"{prefix}.experts.gate_up_proj"] = gate_up.detach().expand(experts, *gate_up.shape).clone()
+        gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach()  # [2I, H]: gate, then up
         down = mlp.down_proj.weight.detach()
-        state[f"{prefix}.experts.down_proj"] = down.expand(experts, *down.shape).clone()
+        for name, weight in (("gate_up_proj", gate_up), ("down_proj", down)):
+            copies = weight.expand(experts, *weight.shape).clone()
+            if expert_noise:
+                noise = torch.randn(copies.shape, generator=generator).to(copies.dtype)
+                copies.mul_(1 + expert_noise * noise)
+            state[f"{prefix}.experts.{name}"] = copies
         router = torch.randn(experts, config.hidden_size, generator=generator) * router_std
         state[f"{prefix}.gate.weight"] = router.to(dtype)
     if config.tie_word_embeddings:
