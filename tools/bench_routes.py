@@ -34,7 +34,7 @@ def main() -> None:
     from llamarl.exec.testing import build_trainer
 
     torch.set_num_threads(args.threads)
-    print(f"CPU: {this_hardware(cuda=False).describe()}; {args.threads} thread(s)")
+    print(f"{this_hardware(cuda=False).describe()}; {args.threads} thread(s)")
     prompts = [[1, 9690, 198, *range(100 + 10 * i, 130 + 10 * i), 2] for i in range(8)]
     generator = HFGenerator(
         args.model, SamplingConfig(max_new_tokens=24, samples_per_prompt=8), dtype="bfloat16", seed=0
