@@ -14,6 +14,7 @@ from llamarl.comm.testing import run_distributed
 from llamarl.control.config import ConfigError, RunConfig
 from llamarl.control.launch.devices import (
     CUDA_GROUP_BACKEND,
+    changed_only_syncs,
     check_placement,
     group_backend,
     place_rank,
@@ -88,6 +89,17 @@ def test_reward_ranks_are_refused_beside_colocated_ranks_in_one_line():
     with pytest.raises(ConfigError, match=r"reward ranks \(--num-reward-ranks\) need GPUs of their own"):
         placements(cfg, cuda_devices=2)
     assert placements(cfg, cuda_devices=0) == [("cpu", False, None)] * 3  # the CPU: nothing to share
+
+
+def test_changed_only_syncs_where_bytes_cost_more_than_encoding_them():
+    # auto: llamarl.comm's own rule (None: on for bf16 or fp8 on the wire) across machines or between
+    # GPUs; off on one CPU machine (loopback is memory speed); on and off as set, anywhere.
+    assert changed_only_syncs(config(), cuda_devices=0) is False
+    assert changed_only_syncs(config(), cuda_devices=1) is None
+    two_machines = config(launch={"nnodes": 2, "rdzv_endpoint": "10.0.0.1:29400"})
+    assert changed_only_syncs(two_machines, cuda_devices=0) is None
+    assert changed_only_syncs(config(weight_sync={"delta": "on"}), cuda_devices=0) is True
+    assert changed_only_syncs(config(weight_sync={"delta": "off"}), cuda_devices=8) is False
 
 
 def test_the_weight_sync_group_is_nccl_only_where_every_rank_has_a_gpu_of_its_own():

@@ -156,7 +156,8 @@ class WeightSyncConfig(ConfigSection):
     delta: Literal["auto", "on", "off"] = "auto"
     """changed-only syncs: only the weights whose value on the wire changed since the generators' last
     version travel (a full sync at the start, after a rejoin, on a version gap and every 64 syncs);
-    auto: on when the weights travel in bf16 or fp8 (float32 weights change nearly everywhere)"""
+    auto: on where the weights cross machines or travel between GPUs in bf16 or fp8 (float32 weights
+    change nearly everywhere), off on one CPU machine, where encoding costs more than the bytes saved"""
     timeout_s: float = Field(600.0, gt=0)
     """deadline (s) of each step of a sync (forming the group, every bucket), capped by launch.timeout_s;
     a receiver that died or hung, between syncs or mid-transfer, fails a sync sooner (dead_after_s)"""

@@ -18,7 +18,12 @@ from typing import Any, TextIO
 import torch
 
 from llamarl.comm import WeightSender, WeightSyncEndpoint, WeightSyncGroup
-from llamarl.control.launch.devices import generation_dtype, trainer_compute_dtype, weight_wire_dtype
+from llamarl.control.launch.devices import (
+    changed_only_syncs,
+    generation_dtype,
+    trainer_compute_dtype,
+    weight_wire_dtype,
+)
 from llamarl.control.launch.failures import last_checkpoint_note
 from llamarl.control.outputs.metrics import MetricsLogger
 from llamarl.control.outputs.report import write_report
@@ -89,7 +94,7 @@ class TrainerSide(Side):
             endpoint,
             bucket_mb=cfg.weight_sync.bucket_mb,
             wire_dtype=weight_wire_dtype(generation_dtype(cfg.generator.precision, self.device)),
-            delta={"auto": None, "on": True, "off": False}[cfg.weight_sync.delta],
+            delta=changed_only_syncs(cfg),
         )
         self.loop = TrainerLoop(
             trainer=self.trainer,
