@@ -133,3 +133,33 @@ def test_a_killed_rank_is_named_with_what_it_and_the_machine_held_at_the_last_lo
     )
     assert held is not None, line
     assert int(held.group(1)) > 200  # the rank's 200 MB and its child's interpreter
+
+
+def test_the_launcher_keeps_torch_elastics_keepalive_race_out_of_its_output(capsys, monkeypatch):
+    """After Ctrl-C, torch elastic's keep-alive finalizer can join its own thread; Python would print
+    that ignored RuntimeError's traceback under the run's one line. Only that one is not printed."""
+    import os
+
+    from llamarl.control.launch.launcher import _quiet_torch_elastic
+
+    monkeypatch.setattr(sys, "unraisablehook", sys.__unraisablehook__)
+    _quiet_torch_elastic()
+    where = os.path.join("torch", "distributed", "elastic", "rendezvous", "utils.py")
+
+    class Finalized:
+        """Raises `message` from a function of `filename` when collected, as a finalizer does."""
+
+        def __init__(self, filename: str, message: str) -> None:
+            namespace: dict = {}
+            exec(compile(f"def stop():\n    raise RuntimeError({message!r})\n", filename, "exec"), namespace)
+            self.stop = namespace["stop"]
+
+        def __del__(self) -> None:
+            self.stop()
+
+    Finalized(where, "cannot join current thread")  # collected at once: an "ignored" exception
+    assert capsys.readouterr().err == ""
+    Finalized("elsewhere.py", "cannot join current thread")
+    Finalized(where, "another error")
+    printed = capsys.readouterr().err
+    assert printed.count("Traceback") == 2 and "another error" in printed
