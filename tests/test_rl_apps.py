@@ -348,11 +348,20 @@ def test_app_trains_on_two_fsdp2_trainer_ranks_with_the_experts_sharded_by_exper
         "gsm8k_rl", *args, "--num-trainers", "2", "--no-wandb", "--pack-tokens", "64",
         "--kl-coef", "0.1", "--kl-estimator", "k2", "--lr-schedule", "cosine", "--warmup-steps", "1",
         "--activation-checkpointing", "--max-grad-norm", "0.5", "--trainer.expert-parallel",
+        "--checkpoint-every", "2",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]
     trainer = resolved_config(out)["trainer"]
     assert trainer["activation_checkpointing"] is True and trainer["max_grad_norm"] == 0.5
     assert trainer["expert_parallel"] is True
+    # The checkpoint holds every expert once, whole, from the two ranks' halves (DCP's metadata).
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(out / "checkpoints" / "step_00000002" / "trainer")).read_metadata()
+    experts = {
+        k: v.size for k, v in metadata.state_dict_metadata.items() if k.endswith("experts.gate_up_proj")
+    }
+    assert experts and all(size[0] == 4 for size in experts.values()), experts
     summary = json.loads((out / "summary.json").read_text())
     assert summary["num_trainers"] == 2 and summary["final_policy_version"] == 3
     assert summary["weight_sync_s"] > 0
