@@ -217,8 +217,10 @@ def _dying_worker_ranks(rank: int, world_size: int, rdv) -> dict | None:
         (folder / "joined").touch()
         wait_until(lambda: (folder / "start.1").exists(), timeout_s=60, what="start_weight_update")
         os._exit(0)  # an engine that crashes: no goodbye
+    # (timeout 30 s: forming the group on a loaded machine took over 10 s once; the dead worker is
+    # caught by its heartbeat, dead_after_s, long before)
     endpoint = WeightSyncEndpoint(
-        host=rdv.host, port=rdv.port, rank=0, world_size=2, timeout_s=10, dead_after_s=3
+        host=rdv.host, port=rdv.port, rank=0, world_size=2, timeout_s=30, dead_after_s=3
     )
     client = FileClient(rdv.tmpdir)
     client.update_weights = lambda info: client.calls.append(

@@ -189,6 +189,15 @@ class TrainerLoop:
                 )
         self.last_sync_s = time.perf_counter() - start
 
+    def _sync_figures(self) -> dict[str, float]:
+        """The last sync's megabytes (this rank's) and their share of a full sync's (changed-only syncs,
+        weight_sync.delta, send a small share)."""
+        sent, full = self.last_sync_bytes, self.last_sync_full_bytes
+        return {
+            "weight_sync/mb": sent / 2**20,
+            "weight_sync/sent_fraction": sent / full if full else float("nan"),
+        }
+
     def train(self, batch: RolloutBatch, whole_batch: RolloutBatch | None = None) -> dict[str, float]:
         """One optimizer step on `batch` (this rank's part); returns the step's record.
 
@@ -222,13 +231,7 @@ class TrainerLoop:
             "time/train_s": train_s,
             "time/generate_s": generate_s,
             "time/weight_sync_s": self.last_sync_s,
-            # (changed-only syncs send a small share of it: weight_sync.delta)
-            "weight_sync/mb": self.last_sync_bytes / 2**20,
-            "weight_sync/sent_fraction": (
-                self.last_sync_bytes / self.last_sync_full_bytes
-                if self.last_sync_full_bytes
-                else float("nan")
-            ),
+            **self._sync_figures(),
             "throughput/generated_tokens_per_s": tokens / step_s if step_s == step_s else float("nan"),
             "throughput/generator_tokens_per_s": tokens / generate_s if generate_s > 0 else float("nan"),
             "throughput/trainer_tokens_per_s": tokens / train_s,

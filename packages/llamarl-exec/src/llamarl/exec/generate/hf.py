@@ -13,7 +13,6 @@ swapped in between two steps: `hf_weights`.
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -22,13 +21,12 @@ import torch
 
 from llamarl.comm import WeightSyncEndpoint, WeightSyncGroup
 from llamarl.exec.config import LoraConfig, SamplingConfig
-from llamarl.exec.generate.hf_routes import attach_routes
+from llamarl.exec.generate.hf_routes import GeneratorRoutes
 from llamarl.exec.generate.hf_sampling import BehaviorLogprobRecorder, rollout_batch
 from llamarl.exec.generate.hf_weights import HFWeights
 from llamarl.exec.generate.packed_linear import pack_linear_layers
 from llamarl.exec.lora import adapter_tensors, add_lora
 from llamarl.exec.models import load_model_and_tokenizer, resolve_dtype
-from llamarl.exec.moe.routes import RouteRecorder, find_routers, num_experts
 from llamarl.exec.multiturn.episodes import BatchTurnSession
 from llamarl.exec.padding import left_pad
 from llamarl.exec.train import varlen_attention
@@ -84,7 +82,7 @@ class HFGenerator:
         self.model = None
         self._weights: HFWeights | None = None
         self._decoding = False  # a generate is between two of its steps: a sync taken now is in flight
-        self._routes: RouteRecorder | None = None  # a mixture of experts: its routes go with the samples
+        self._routes: GeneratorRoutes | None = None  # a mixture of experts: its routes go with the samples
 
     @property
     def policy_version(self) -> int | None:
@@ -104,9 +102,8 @@ class HFGenerator:
             add_lora(self.model, self.lora, dtype=resolve_dtype(self.dtype))
         self.model.eval()
         self.model.requires_grad_(False)  # never trained here; lets weight sync copy without autograd
-        routers = find_routers(self.model)
-        if routers:  # (routing replay: the trainer scores each token through the experts used here)
-            self._routes = RouteRecorder(routers, num_experts(self.model.config))
+        # (routing replay: the trainer scores each token through the experts used here)
+        self._routes = GeneratorRoutes(self.model)
         # Decoding multiplies a few rows by every weight at every step: packed once, not per call.
         pack_linear_layers(self.model)
         if self.device == "cpu" and self.model.config._attn_implementation == "sdpa":
@@ -300,7 +297,8 @@ class HFGenerator:
         from llamarl.exec.generate.kv_cache import shared_prompt_cache  # (imports transformers)
 
         device = self.model.device
-        with warnings.catch_warnings(), self._recording():
+        assert self._routes is not None
+        with warnings.catch_warnings(), self._routes.recording():
             # Recent transformers name generate's cache argument `cache`; `past_key_values`, the
             # only name older ones know, works until transformers 6 (the dependency's bound).
             warnings.filterwarnings("ignore", "`past_key_values` is deprecated", FutureWarning)
@@ -338,21 +336,12 @@ class HFGenerator:
         finished_B = torch.isin(drawn_BC, torch.tensor(self.eos_token_ids)).any(1)
         return GenerationPaused(partial, finished_B | (num_drawn >= max_new_tokens))
 
-    def _recording(self) -> contextlib.AbstractContextManager[Any]:
-        """Records the routes of the forwards inside (a mixture of experts), else nothing."""
-        return self._routes.recording() if self._routes is not None else contextlib.nullcontext()
-
-    def _batch(self, prompt_ids_BP: torch.Tensor, *args: Any, **kwargs: Any) -> RolloutBatch:
+    def _batch(self, *args: Any, **kwargs: Any) -> RolloutBatch:
+        assert self._routes is not None
         batch = rollout_batch(
-            prompt_ids_BP, *args, eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id, **kwargs
+            *args, eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id, **kwargs
         )
-        if self._routes is None:
-            return batch
-        # (shared_prompt_cache prefills every prompt but for one-token prompts)
-        shared_prefill = prompt_ids_BP.shape[1] >= 2
-        return attach_routes(
-            batch, self._routes.forwards(), shared_prefill=shared_prefill, dtype=self._routes.dtype
-        )
+        return self._routes.attach(batch)
 
 
 def _generation_config(max_new_tokens: int, eos_token_ids: list[int], pad_token_id: int) -> GenerationConfig:

@@ -11,10 +11,35 @@ S positions (P + C), L MoE layers, K experts per token.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
-from llamarl.exec.moe.routes import blank_routes, no_route
+from llamarl.exec.moe.routes import RouteRecorder, blank_routes, find_routers, no_route, num_experts
 from llamarl.exec.types import RolloutBatch
+
+
+class GeneratorRoutes:
+    """The hf generator's routes: its model's recorder (none for a dense model, whose batches carry
+    no routes), open around each generate's forwards, and the batch they go with."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        routers = find_routers(model)
+        self.recorder = RouteRecorder(routers, num_experts(model.config)) if routers else None
+
+    def recording(self) -> contextlib.AbstractContextManager[object]:
+        """Records the routes of the forwards inside (a mixture of experts), else nothing."""
+        return self.recorder.recording() if self.recorder is not None else contextlib.nullcontext()
+
+    def attach(self, batch: RolloutBatch) -> RolloutBatch:
+        """`batch` with the routes of the last `recording()` (see `attach_routes`)."""
+        if self.recorder is None:
+            return batch
+        # (`kv_cache.shared_prompt_cache` prefills every prompt but one-token ones)
+        shared_prefill = batch.prompt_ids_BP.shape[1] >= 2
+        return attach_routes(
+            batch, self.recorder.forwards(), shared_prefill=shared_prefill, dtype=self.recorder.dtype
+        )
 
 
 def attach_routes(

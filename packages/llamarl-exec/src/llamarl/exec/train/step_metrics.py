@@ -25,6 +25,7 @@ class StepTotals:
     def __init__(self) -> None:
         self.loss = 0.0
         self.logprob_sum = 0.0
+        self.gap_sum = 0.0  # |log pi - log mu| over the sampled tokens
         self.entropy_sum = 0.0
         self.weighted: dict[str, float] = {}  # loss metric -> sum of (micro-batch mean x its tokens)
         self.maxima: dict[str, float] = {}  # `*_max` loss metric -> maximum so far
@@ -33,15 +34,19 @@ class StepTotals:
         self,
         loss: torch.Tensor,
         logprobs_MC: torch.Tensor,
+        behavior_MC: torch.Tensor,
         entropy_MC: torch.Tensor,
         mask_MC: torch.Tensor,
         loss_metrics: dict[str, torch.Tensor],
     ) -> None:
-        """Adds one micro-batch: its loss (a scalar), log-probs and entropies of the completion tokens
-        (0 where `mask_MC` is 0 for the entropy) and the loss's own metrics (means over its tokens)."""
+        """Adds one micro-batch: its loss (a scalar), the policy's and the generator's (behaviour)
+        log-probs and the entropies of the completion tokens (0 where `mask_MC` is 0 for the entropy)
+        and the loss's own metrics (means over its tokens)."""
         micro_tokens = int(mask_MC.sum())
         self.loss += float(loss.detach())
         self.logprob_sum += float(logprobs_MC.detach().masked_fill(mask_MC == 0, 0.0).sum())
+        gap_MC = (logprobs_MC.detach() - behavior_MC).abs()
+        self.gap_sum += float(gap_MC.masked_fill(mask_MC == 0, 0.0).sum())
         self.entropy_sum += float(entropy_MC.sum())  # (0 on padding)
         for name, value in loss_metrics.items():
             value = float(value)
@@ -67,8 +72,8 @@ class StepTotals:
         `num_valid_tokens` and `num_sequences` are the whole batch's (already global).
 
         Returns:
-            ({loss, logprob_mean, entropy_mean, reward_mean, advantage_abs_mean, num_valid_tokens, and
-            the loss's metrics}, Finiteness).
+            ({loss, logprob_mean, entropy_mean, reward_mean, advantage_abs_mean, num_valid_tokens,
+            logprob_gap_abs_mean, and the loss's metrics}, Finiteness).
         """
         advantages_here = bool(torch.isfinite(advantages_B).all())
         loss_here = math.isfinite(self.loss)
@@ -83,6 +88,7 @@ class StepTotals:
                 float(advantages_B.abs().sum()),
                 float(not advantages_here),
                 float(not loss_here),
+                self.gap_sum,
                 *(self.weighted[n] for n in weighted_names),
             ],
             group,
@@ -97,9 +103,11 @@ class StepTotals:
             "reward_mean": sums[3] / num_rows,
             "advantage_abs_mean": sums[4] / num_rows,
             "num_valid_tokens": float(num_valid_tokens),
+            # how far the trainer's log-probs are from the generator's (the spread of the IS weights)
+            "logprob_gap_abs_mean": sums[7] / denominator_tokens,
         }
         metrics.update(
-            {n: total / denominator_tokens for n, total in zip(weighted_names, sums[7:], strict=True)}
+            {n: total / denominator_tokens for n, total in zip(weighted_names, sums[8:], strict=True)}
         )
         metrics.update(dict(zip(max_names, highs, strict=True)))
         finiteness = Finiteness(

@@ -45,7 +45,7 @@ from llamarl.algo import (
 from llamarl.exec.config import AlgorithmConfig, TrainerConfig
 from llamarl.exec.lora import adapter_tensors, merged_state_dict
 from llamarl.exec.models import resolve_dtype
-from llamarl.exec.moe.routes import RouteReplay, find_routers
+from llamarl.exec.train.expert_routing import ExpertRouting
 from llamarl.exec.train.lr_schedules import lr_factor
 from llamarl.exec.train.mixed_precision import ComputeCopy
 from llamarl.exec.train.nonfinite import Finiteness, nonfinite_cause
@@ -79,7 +79,7 @@ class PolicyTrainer:
     ref_model: torch.nn.Module | None
     _compute_copy: ComputeCopy | None
     optimizer: torch.optim.Optimizer | None
-    route_replay: RouteReplay | None  # a mixture of experts: the policy's router hooks (routing replay)
+    routing: ExpertRouting | None  # a mixture of experts: routing replay, its figures, load balancing
     scheduler: torch.optim.lr_scheduler.LRScheduler | None
 
     def __init__(
@@ -134,12 +134,8 @@ class PolicyTrainer:
         modules = load_policy_modules(settings, with_reference=self.algorithm.kl_coef > 0)
         self.model, self.compute_model = modules.model, modules.compute_model
         self._compute_copy, self.ref_model = modules.compute_copy, modules.ref_model
-        if find_routers(self.compute_model):  # a mixture of experts: routing replay (or its comparison)
-            replaying = self.algorithm.routing_replay != "off"
-            self.route_replay = RouteReplay(self.compute_model, replaying=replaying)
-            self.forward.replays = {self.compute_model: self.route_replay}
-            if self.ref_model is not None:
-                self.forward.replays[self.ref_model] = RouteReplay(self.ref_model, replaying=replaying)
+        self.routing = ExpertRouting.of(self.compute_model, self.ref_model, self.algorithm)
+        self.forward.replays = self.routing.replays if self.routing is not None else {}
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
             lr=cfg.lr,
@@ -161,7 +157,7 @@ class PolicyTrainer:
         self.compute_model = None
         self._compute_copy = None
         self.ref_model = None
-        self.route_replay = None
+        self.routing = None
         self.forward.replays = {}
         self.optimizer = None
         self.scheduler = None
@@ -275,9 +271,8 @@ class PolicyTrainer:
             batch.num_completion_tokens, batch.num_sequences
         )
         totals = StepTotals()
-        if self.route_replay is not None:  # (what compute_logprobs saw is not this step's)
-            self.route_replay.take_counts()
-            self.route_replay.take_load()
+        if self.routing is not None:
+            self.routing.start_step()
         for rows in self.forward.micro_batches(batch):
             logprobs_MC, entropy_MC, mask_MC = self.forward.logprobs(model, batch, rows, device)
             loss, loss_metrics = self._micro_batch_loss(
@@ -289,10 +284,11 @@ class PolicyTrainer:
                 num_valid_tokens,
                 num_sequences,
             )
-            if self.route_replay is not None:
-                loss = self._add_router_load(loss, loss_metrics, mask_MC, num_valid_tokens)
+            if self.routing is not None:
+                loss = self.routing.add_load(loss, loss_metrics, int(mask_MC.sum()), num_valid_tokens)
             loss.backward()
-            totals.add(loss, logprobs_MC, entropy_MC, mask_MC, loss_metrics)
+            behavior_MC = batch.behavior_logprobs_BC[rows, : mask_MC.shape[1]].to(device)
+            totals.add(loss, logprobs_MC, behavior_MC, entropy_MC, mask_MC, loss_metrics)
             del logprobs_MC, loss, loss_metrics  # free this micro-batch's graph before the next forward
         metrics, finiteness = totals.reduce(
             batch.rewards_B,
@@ -301,12 +297,8 @@ class PolicyTrainer:
             num_sequences=num_sequences,
             group=self.group,
         )
-        if self.route_replay is not None:
-            counts = self.route_replay.take_counts()
-            compared, differing = all_reduce_sum([counts.compared, counts.differing], self.group)
-            # Sampled tokens whose experts here differ from the generator's in at least one layer (before
-            # replay: what replay corrects); nan when the batch carries no routes.
-            metrics["routing_mismatch"] = differing / compared if compared else float("nan")
+        if self.routing is not None:
+            metrics.update(self.routing.step_metrics(self.group))
         return metrics, finiteness
 
     def _micro_batch_loss(
@@ -335,14 +327,6 @@ class PolicyTrainer:
             num_valid_tokens=denominator_tokens,
             num_sequences=num_sequences,
         )
-        # |log pi - log mu| per sampled token: how far the trainer's log-probs are from the generator's
-        # (a mixture of experts without routing replay: far more), the spread of the AIPO/IS weights.
-        gap_MC = (
-            logprobs_MC.detach() - batch.behavior_logprobs_BC[rows, : mask_MC.shape[1]].to(device)
-        ).abs()
-        loss_metrics["logprob_gap_abs_mean"] = gap_MC.masked_fill(
-            mask_MC == 0, 0.0
-        ).sum() / mask_MC.sum().clamp(min=1)
         if self.ref_model is None:
             return loss, loss_metrics
         with torch.no_grad():
@@ -356,25 +340,6 @@ class PolicyTrainer:
             num_valid_tokens=denominator_tokens,
         )
         return loss + kl_loss, {**loss_metrics, **kl_metrics}
-
-    def _add_router_load(
-        self,
-        loss: torch.Tensor,
-        loss_metrics: dict[str, torch.Tensor],
-        mask_MC: torch.Tensor,
-        num_valid_tokens: int,
-    ) -> torch.Tensor:
-        """A mixture of experts: the micro-batch's load-balancing loss goes into its metrics
-        (router_aux_loss, averaged over the step's tokens like the others) and, weighted by
-        `router_aux_coef` and the micro-batch's share of the tokens, into its loss."""
-        aux = self.route_replay.take_load().loss()
-        if aux is None:
-            return loss
-        loss_metrics["router_aux_loss"] = aux.detach()
-        if not self.algorithm.router_aux_coef:
-            return loss
-        share = float(mask_MC.sum()) / max(num_valid_tokens, 1)
-        return loss + self.algorithm.router_aux_coef * share * aux
 
     @torch.no_grad()
     def compute_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
