@@ -158,7 +158,8 @@ def pack(
     prompt_mask = prompt_mask_MP.bool()
     completion_mask = completion_span(completion_mask_MC).bool()
     repeats = repeats_previous_prompt(prompt_ids_MP, prompt_mask_MP) if share_prompts else None
-    ids, positions, predict, targets, laid_routes, completion_flags = [], [], [], [], [], []
+    ids, positions, predict, targets = [], [], [], []
+    laid: list[tuple[int, int]] = []  # (0: prompt, 1: completion; sequence) of each piece laid
     groups: list[tuple[int, list[int]]] = []  # (prompt length, completion lengths) per segment
     offset = 0  # tokens laid so far
     prompt_end = 0  # row position after the current group's prompt
@@ -167,18 +168,14 @@ def pack(
         if not (repeats and repeats[i]):  # a new prompt: lay it
             prompt = prompt_ids_MP[i][prompt_mask[i]]
             ids.append(prompt)
-            if routes is not None:
-                laid_routes.append(routes[0][i][prompt_mask[i]])
-                completion_flags.append(torch.zeros(len(prompt), dtype=torch.bool))
+            laid.append((0, i))
             positions.append(torch.arange(len(prompt)))
             offset += len(prompt)
             prompt_end = offset
             groups.append((len(prompt), []))
         num_prompt, num_completion = groups[-1][0], len(completion)
         ids.append(completion)
-        if routes is not None:
-            laid_routes.append(routes[1][i][completion_mask[i]])
-            completion_flags.append(torch.ones(num_completion, dtype=torch.bool))
+        laid.append((1, i))
         positions.append(torch.arange(num_completion) + num_prompt)
         # Position p predicts token p + 1: the prompt's last position predicts the first completion
         # token, each completion token but the last predicts the next.
@@ -188,15 +185,30 @@ def pack(
             groups[-1][1].append(num_completion)
         targets.append(completion)
         offset += num_completion
+    routes_TLK, completion_T = _lay_routes(routes, laid, (prompt_mask, completion_mask))
     return PackedRow(
         input_ids_1T=torch.cat(ids).unsqueeze(0),
         position_ids_1T=torch.cat(positions).unsqueeze(0),
         predict_index_K=torch.cat(predict) if predict else torch.zeros(0, dtype=torch.long),
         target_ids_1K=torch.cat(targets).unsqueeze(0),
         segments=tuple(_segment(prompt, branches) for prompt, branches in groups),
-        routes_TLK=torch.cat(laid_routes) if routes is not None else None,
-        completion_T=torch.cat(completion_flags) if routes is not None else None,
+        routes_TLK=routes_TLK,
+        completion_T=completion_T,
     )
+
+
+def _lay_routes(
+    routes: tuple[torch.Tensor, torch.Tensor] | None,
+    laid: list[tuple[int, int]],
+    masks: tuple[torch.Tensor, torch.Tensor],
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The routes of a packed row's pieces (`laid`: prompt (0) or completion (1) of which sequence, in
+    order; `masks`: the laid columns of each), and which of its tokens are completion tokens."""
+    if routes is None:
+        return None, None
+    pieces = [routes[part][i][masks[part][i]] for part, i in laid]
+    flags = [torch.full((len(piece),), bool(part)) for piece, (part, _) in zip(pieces, laid, strict=True)]
+    return torch.cat(pieces), torch.cat(flags)
 
 
 def _segment(prompt: int, completions: list[int]) -> Segment:
