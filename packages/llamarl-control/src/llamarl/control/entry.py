@@ -231,7 +231,8 @@ def check_model(config: RunConfig) -> None:
         check_routing(model_config, config.algorithm.routing_replay, model=config.model)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    moe = bool(num_experts(model_config))
+    experts = num_experts(model_config)
+    moe = bool(experts)
     if moe and config.generator.backend == "vllm":
         raise ConfigError(
             f"--generator vllm: {config.model} is a mixture of experts, whose weight syncs and routes the "
@@ -246,7 +247,7 @@ def check_model(config: RunConfig) -> None:
                 "trainer.expert_parallel shards experts over the trainer ranks: give --num-trainers 2 or more"
             )
         try:
-            check_expert_parallel(num_experts(model_config), trainers)
+            check_expert_parallel(experts, trainers)
         except ValueError as e:
             raise ConfigError(str(e)) from None
     if moe and config.trainer.lora.rank:

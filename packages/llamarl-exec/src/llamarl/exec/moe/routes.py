@@ -81,8 +81,8 @@ def check_routing(config: Any, replay: str, *, model: str) -> str | None:
             )
         return None
     architecture = (getattr(config, "architectures", None) or ["?"])[0]
-    unknown = [name for name in router_class_names(architecture) if name not in ROUTER_NORMALISES]
-    if replay != "off" and (unknown or not router_class_names(architecture)):
+    routers = router_class_names(architecture)
+    if replay != "off" and (not routers or any(name not in ROUTER_NORMALISES for name in routers)):
         known = ", ".join(sorted(n.removesuffix("TopKRouter") for n in ROUTER_NORMALISES))
         raise ValueError(
             f"{model}: {architecture}'s router has no route recorder here (recorded: {known}); "
@@ -129,12 +129,7 @@ class RouteRecorder:
     def __init__(self, routers: list[torch.nn.Module], experts: int) -> None:
         self.routers = routers
         self.dtype = route_dtype(experts)
-        self.top_k = int(routers[0].top_k)
         self._calls: list[list[torch.Tensor]] = [[] for _ in routers]
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.routers)
 
     @contextmanager
     def recording(self) -> Iterator[RouteRecorder]:
@@ -203,13 +198,15 @@ class RouteReplay:
     recompute of an activation-checkpointed layer in backward replays the same ones. With
     `replaying=False` the routers route themselves and only the comparison is made. Positions in
     `counted_N` (the sampled tokens) count towards `counts`: recorded, and recorded but not what this
-    model chose in at least one layer. The forwards after a `set` also add to the `RouterLoad` that
-    `take_load` hands over (a recompute in backward, after it, adds nothing: it was counted once).
+    model chose in at least one layer. With `measures_load`, the forwards after a `set` also add to the
+    `RouterLoad` that `take_load` hands over (a recompute in backward, after it, adds nothing: it was
+    counted once).
     """
 
-    def __init__(self, model: torch.nn.Module, *, replaying: bool) -> None:
+    def __init__(self, model: torch.nn.Module, *, replaying: bool, measures_load: bool = True) -> None:
         self.routers = find_routers(model)
         self.replaying = replaying
+        self.measures_load = measures_load
         self.counts = RouteCounts()
         self._routes_NLK: torch.Tensor | None = None
         self._counted_N: torch.Tensor | None = None
@@ -229,7 +226,7 @@ class RouteReplay:
         self._routes_NLK = routes_NLK
         self._counted_N = counted_N
         self._differs_N = None
-        if self._load is None:
+        if self._load is None and self.measures_load:
             self._load = RouterLoad()
 
     def take_load(self) -> RouterLoad:
@@ -258,15 +255,17 @@ class RouteReplay:
         def replay(module: torch.nn.Module, args: Any, output: tuple[torch.Tensor, ...]):
             logits_NE, scores_NK, natural_NK = output
             replaced_N, wanted_NK = self._compare(layer, natural_NK)
+            replacing = replaced_N is not None and self.replaying and bool(replaced_N.any())
+            # (decided by settings, not by whether a load is being collected: an activation-checkpointed
+            # layer's recompute must save the same tensors for backward as its forward did)
+            if not replacing and not self.measures_load:
+                return None  # the router's own output, bitwise (its own float steps)
+            chosen_NK = torch.where(replaced_N[:, None], wanted_NK, natural_NK) if replacing else natural_NK
             probs_NE = torch.softmax(logits_NE.float(), dim=-1)
-            if replaced_N is None or not self.replaying or not bool(replaced_N.any()):
-                # Nothing to replace: the router's own output, bitwise (its own float steps).
-                if self._load is not None:
-                    self._load.add(probs_NE, natural_NK)
-                return None
-            chosen_NK = torch.where(replaced_N[:, None], wanted_NK, natural_NK)
             if self._load is not None:
                 self._load.add(probs_NE, chosen_NK)
+            if not replacing:
+                return None
             top_NK = probs_NE.gather(-1, chosen_NK)
             if ROUTER_NORMALISES[type(module).__name__](module):
                 top_NK = top_NK / top_NK.sum(-1, keepdim=True)

@@ -28,7 +28,8 @@ class ExpertRouting:
         self.policy = RouteReplay(policy, replaying=replaying)
         self.replays = {policy: self.policy}
         if reference is not None:
-            self.replays[reference] = RouteReplay(reference, replaying=replaying)
+            # (no load-balancing loss of a model that never trains)
+            self.replays[reference] = RouteReplay(reference, replaying=replaying, measures_load=False)
 
     @classmethod
     def of(
